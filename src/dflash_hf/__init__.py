@@ -1,0 +1,47 @@
+"""dflash-hf: block-diffusion speculative decoding (DFlash, DSpark) inside Hugging Face transformers.
+
+Importing the package registers the draft configs and models with `AutoConfig`/`AutoModel` and installs the
+`generate` hook, so `target.generate(**inputs, assistant_model=draft)` drafts blocks.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
+from .modeling_dflash import (
+    DFlashCandidateGenerator,
+    DFlashContextCache,
+    DFlashDraftModel,
+    DraftProposal,
+    DSparkDraftModel,
+    check_draft_fits_target,
+    check_vocab_mapping,
+    install_generate_hook,
+)
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    for config_class, model_class in ((DFlashConfig, DFlashDraftModel), (DSparkConfig, DSparkDraftModel)):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        AutoModel.register(config_class, model_class, exist_ok=True)
+        # `save_pretrained` then writes `auto_map` and copies the two remote-code files beside the weights.
+        config_class.register_for_auto_class()
+        model_class.register_for_auto_class("AutoModel")
+
+
+_register()
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "DFlashConfig",
+    "DFlashContextCache",
+    "DFlashDraftModel",
+    "DSparkConfig",
+    "DSparkDraftModel",
+    "DraftProposal",
+    "check_draft_fits_target",
+    "check_vocab_mapping",
+    "default_target_layer_ids",
+    "install_generate_hook",
+]

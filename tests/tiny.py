@@ -1,0 +1,54 @@
+"""Tiny random targets (transformers' own classes) and drafts that fit them, shared by the tests."""
+
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, DSparkConfig, DSparkDraftModel
+
+VOCAB = 96
+EOS = 2
+
+
+def tiny_target(family: str = "llama", seed: int = 0, vocab_size: int = VOCAB, num_layers: int = 4):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=EOS, pad_token_id=0, bos_token_id=1)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    elif family == "deepseek_v3":
+        config = DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        )
+        model = DeepseekV3ForCausalLM(config)
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def draft_fields(target, block_size: int = 4, num_layers: int = 1, layer_ids=None, mask_token_id=None, **extra):
+    text = target.config.get_text_config(decoder=True)
+    return dict(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=48, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, target_hidden_size=text.hidden_size,
+        num_target_layers=text.num_hidden_layers, target_layer_ids=layer_ids, block_size=block_size,
+        mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id, **extra,
+    )
+
+
+def random_dflash(target, seed: int = 0, **kwargs) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    return DFlashDraftModel(DFlashConfig(**draft_fields(target, **kwargs))).eval()
+
+
+def random_dspark(target, seed: int = 0, markov_rank: int = 4, markov_head_type: str = "vanilla",
+                  confidence: bool = True, sample_from_anchor: bool = False, **kwargs) -> DSparkDraftModel:
+    torch.manual_seed(seed)
+    config = DSparkConfig(markov_rank=markov_rank, markov_head_type=markov_head_type,
+                          enable_confidence_head=confidence, sample_from_anchor=sample_from_anchor,
+                          **draft_fields(target, **kwargs))
+    return DSparkDraftModel(config).eval()
