@@ -103,8 +103,9 @@ class DFlashConfig(PretrainedConfig):
         rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", rope_theta)
         self.rope_parameters = rope
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # Ours first: transformers' own validators raise less specific errors for some of the same fields.
         self.validate_draft()
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def validate_draft(self) -> None:
         """Reject configurations that would load but compute something wrong; the message names the field."""

@@ -45,25 +45,34 @@ class DFlashRMSNorm(nn.Module):
 
 
 class DFlashRotaryEmbedding(nn.Module):
-    """cos/sin tables at absolute positions; scaled RoPE types (YaRN, llama3, ...) come from transformers."""
+    """cos/sin tables at absolute positions; scaled RoPE types (YaRN, llama3, ...) come from transformers.
+
+    The inverse frequencies are computed on first use rather than held in a buffer: models are built on the meta
+    device when loaded, and a non-persistent buffer would then have to be re-created by version-specific hooks.
+    """
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        rope_type = config.rope_parameters["rope_type"]
-        if rope_type == "default":
-            dim = config.head_dim
-            theta = config.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.config = config
+        self._tables: dict[torch.device, tuple[torch.Tensor, float]] = {}
+
+    def _inverse_frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        if device not in self._tables:
+            rope_type = self.config.rope_parameters["rope_type"]
+            if rope_type == "default":
+                dim, theta = self.config.head_dim, self.config.rope_parameters["rope_theta"]
+                inv_freq, scaling = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, torch.device("cpu"))
+            self._tables[device] = (inv_freq.to(device), scaling)
+        return self._tables[device]
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        inv_freq, scaling = self._inverse_frequencies(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -212,6 +221,27 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As transformers', but a checkpoint that does not fill the model exactly is an error, not a warning:
+        a draft with re-initialised tensors would silently propose garbage."""
+        want_info = kwargs.pop("output_loading_info", False)
+        # Let loading finish so the report below can name every offending tensor; we raise on any mismatch anyway.
+        kwargs["ignore_mismatched_sizes"] = True
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = [
+            f"{label}: {', '.join(sorted(str(k) for k in info.get(key) or []))}"
+            for key, label in (
+                ("missing_keys", "missing tensors"),
+                ("unexpected_keys", "unexpected tensors"),
+                ("mismatched_keys", "shape mismatches (checkpoint vs config)"),
+            )
+            if info.get(key)
+        ]
+        if problems:
+            raise ValueError(f"The checkpoint does not match the {cls.__name__} its config describes; " + "; ".join(problems))
+        return (model, info) if want_info else model
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -625,6 +655,7 @@ def check_draft_fits_target(draft_config: DFlashConfig, target_config) -> None:
 def _new_stats(kernel_path: str) -> dict:
     return {
         "acceptance_lengths": [],
+        "proposals": [],  # per verify step, the drafted ids; the first acceptance_lengths[i] - 1 were accepted
         "mean_acceptance_length": 0.0,
         "drafted_tokens": 0,
         "accepted_tokens": 0,
@@ -693,6 +724,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.stats["draft_forwards"] += 1
         draft_ids = proposal.draft_ids[:, : max(budget, 0)].to(input_ids.device)
         self.stats["drafted_tokens"] += draft_ids.shape[1]
+        self.stats["proposals"].append(draft_ids[0].tolist())
         self._last_return = time.perf_counter()
         self.stats["time_s"]["draft"] += self._last_return - now
         if draft_ids.shape[1] == 0:
