@@ -7,12 +7,14 @@ Importing the package registers the draft configs and models with `AutoConfig`/`
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
+from .formats import export_draft, load_draft
 from .modeling_dflash import (
     DFlashCandidateGenerator,
     DFlashContextCache,
     DFlashDraftModel,
     DraftProposal,
     DSparkDraftModel,
+    TargetStateCapture,
     check_draft_fits_target,
     check_vocab_mapping,
     install_generate_hook,
@@ -40,8 +42,11 @@ __all__ = [
     "DSparkConfig",
     "DSparkDraftModel",
     "DraftProposal",
+    "TargetStateCapture",
     "check_draft_fits_target",
     "check_vocab_mapping",
     "default_target_layer_ids",
+    "export_draft",
     "install_generate_hook",
+    "load_draft",
 ]

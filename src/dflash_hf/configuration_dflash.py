@@ -35,6 +35,8 @@ class DFlashConfig(PretrainedConfig):
         block_size: ids per drafted block (`[anchor, MASK, ...]`).
         mask_token_id: the id filling the non-anchor block slots; any id inside `vocab_size`.
         shares_target_embeddings: the draft has no embedding or lm_head of its own and borrows the target's.
+        sliding_window_causal: sliding-window layers are causal inside the block (the engines' default); full
+            attention layers are always bidirectional inside the block.
     """
 
     model_type = "dflash"
@@ -60,6 +62,7 @@ class DFlashConfig(PretrainedConfig):
         attention_dropout: float = 0.0,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        sliding_window_causal: bool = True,
         target_hidden_size: int | None = None,
         num_target_layers: int = 28,
         target_layer_ids: list[int] | None = None,
@@ -87,6 +90,7 @@ class DFlashConfig(PretrainedConfig):
         self.attention_bias = attention_bias
         self.attention_dropout = attention_dropout
         self.sliding_window = sliding_window
+        self.sliding_window_causal = sliding_window_causal
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
         self.target_hidden_size = hidden_size if target_hidden_size is None else target_hidden_size
         self.num_target_layers = num_target_layers

@@ -7,9 +7,8 @@ where the `dflash_hf` package is not installed. Importing this file installs the
 """
 
 import logging
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +36,10 @@ class DFlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None:  # set by the owning draft when its Triton path is on (see "Kernels")
+            out = self._kernels("rms_norm", hidden_states, self.weight, self.variance_epsilon)
+            if out is not None:
+                return out
         dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -109,6 +112,7 @@ class DFlashAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        self.causal = self.sliding_window is not None and config.sliding_window_causal
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -209,6 +213,230 @@ class DraftProposal:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Kernels: optional Triton kernels from a Hub kernel repo (through `kernels`); the torch code above everywhere else
+# ----------------------------------------------------------------------------------------------------------------------
+
+import os  # noqa: E402  (kept inside this section: nothing else in the file needs it)
+
+KERNELS_REPO_ID = "dflash-hf/dflash-kernels"
+KERNELS_VERSION = 1  # Hub branch `v1` = the kernel package's API_VERSION
+KERNELS_ENV = "DFLASH_KERNELS"
+_KERNEL_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
+_KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "verify_greedy", "verify_rejection")
+_kernel_modules: dict[str, tuple] = {}  # device kind -> (module or None, source, why not); one load per process
+_kernel_paths: dict[tuple, "KernelPath"] = {}
+DFlashRMSNorm._kernels = None  # a draft hands its norms a `KernelPath` while its Triton path is on
+
+
+class KernelPath:
+    """A loaded kernel module, where it came from, and whether a failing call may fall back to torch.
+
+    Calling it runs one op; in `auto` mode a failure (say, Triton cannot compile for this GPU) logs one warning,
+    retires the kernels for the rest of the process and returns None so the caller runs its torch code.
+    """
+
+    def __init__(self, module, kind: str, source: str, strict: bool):
+        self.module, self.kind, self.source, self.strict = module, kind, source, strict
+        self.failed = False
+
+    @property
+    def label(self) -> str:
+        return f"triton:{self.source}"
+
+    def __call__(self, op: str, *args):
+        if self.failed:
+            return None
+        try:
+            return getattr(self.module, op)(*args)
+        except Exception as error:
+            if self.strict:
+                raise
+            self.failed = True
+            _kernel_modules[self.kind] = (None, "torch", f"{op} failed: {type(error).__name__}: {error}")
+            for key in [key for key in _kernel_paths if key[0] == self.kind]:
+                del _kernel_paths[key]
+            logger.warning("DFlash kernel `%s` failed (%s: %s); using torch from now on.", op, type(error).__name__,
+                           error)
+            return None
+
+
+def kernel_mode(config=None) -> str:
+    """"auto" | "on" | "off": `DFLASH_KERNELS` when set (auto/1/0), else the config's `use_kernels`, else auto."""
+    raw = os.environ.get(KERNELS_ENV, "").strip()
+    if not raw:
+        raw = getattr(config, "use_kernels", None)
+        raw = "auto" if raw is None else raw
+    mode = _KERNEL_MODES.get(str(raw).strip().lower())
+    if mode is None:
+        raise ValueError(f"Kernel switch {KERNELS_ENV} / `use_kernels` = {raw!r}; expected auto, 1 (on) or 0 (off).")
+    return mode
+
+
+def load_kernels(mode: str, device: torch.device) -> KernelPath | None:
+    """The Triton kernels for `device`, or None for the torch path.
+
+    auto: kernels on CUDA when they load, torch otherwise. on: kernels or an error (on the CPU they run only
+    under TRITON_INTERPRET=1, for testing). off: torch.
+    """
+    if mode == "off":
+        return None
+    if device.type == "cuda":
+        kind = "cuda"
+    elif device.type == "cpu" and mode == "on" and os.environ.get("TRITON_INTERPRET") == "1":
+        kind = "interpret"
+    elif mode == "on":
+        raise RuntimeError(
+            f"{KERNELS_ENV}=1 asks for the Triton kernels, but the draft runs on {device}: they need a CUDA device "
+            f"(or TRITON_INTERPRET=1 on the CPU, for testing). Set {KERNELS_ENV}=auto or 0 to use torch."
+        )
+    else:
+        return None
+    if kind not in _kernel_modules:
+        _kernel_modules[kind] = _import_kernel_module(kind)
+    module, source, reason = _kernel_modules[kind]
+    if module is None:
+        if mode == "on":
+            raise RuntimeError(f"{KERNELS_ENV}=1 but the DFlash kernels could not be loaded: {reason}")
+        return None
+    strict = mode == "on"
+    if (kind, strict) not in _kernel_paths:
+        _kernel_paths[(kind, strict)] = KernelPath(module, kind, source, strict)
+    return _kernel_paths[(kind, strict)]
+
+
+def _import_kernel_module(kind: str) -> tuple:
+    """Hub repo (or its LOCAL_KERNELS override) on CUDA, then the copy shipped in `dflash_hf`; the reasons if none."""
+    try:
+        import kernels as hub_kernels
+    except ImportError as error:
+        logger.info("DFlash kernels unavailable (the `kernels` package is not installed): torch path.")
+        return None, "torch", f"`kernels` is not installed ({error})"
+    overrides = os.environ.get("LOCAL_KERNELS", "")
+    overridden = any(entry.split("=", 1)[0] == KERNELS_REPO_ID for entry in overrides.split(":") if entry)
+    attempts = []
+    if kind == "cuda" or overridden:
+        attempts.append(("LOCAL_KERNELS" if overridden else "hub", _hub_kernel_module))
+    attempts.append(("local", _shipped_kernel_module))
+    reasons = []
+    for source, load in attempts:
+        try:
+            module = load(hub_kernels)
+            missing = [op for op in _KERNEL_OPS if not hasattr(module, op)]
+            if getattr(module, "API_VERSION", None) != KERNELS_VERSION or missing:
+                raise ImportError(f"API_VERSION {getattr(module, 'API_VERSION', None)} (expected "
+                                  f"{KERNELS_VERSION}), missing ops {missing}")
+        except Exception as error:
+            reasons.append(f"{source}: {type(error).__name__}: {error}")
+            continue
+        logger.info("DFlash kernels: Triton path, loaded from %s (%s).", source, kind)
+        return module, source, None
+    reason = "; ".join(reasons)
+    logger.info("DFlash kernels unavailable (%s): torch path.", reason)
+    return None, "torch", reason
+
+
+def _hub_kernel_module(hub_kernels):
+    return hub_kernels.get_kernel(KERNELS_REPO_ID, version=KERNELS_VERSION, trust_remote_code=[KERNELS_REPO_ID])
+
+
+def _shipped_kernel_module(hub_kernels):
+    try:
+        from dflash_hf.kernels import shipped_kernel_repo  # the package's own copy; absent for remote-code users
+    except ImportError as error:
+        raise ImportError(f"no shipped copy (dflash_hf is not installed: {error})") from error
+    return hub_kernels.get_local_kernel(shipped_kernel_repo())
+
+
+def _sync_draft_kernels(draft, like: torch.Tensor) -> KernelPath | None:
+    """Pick this forward's path (mode, device; torch while autograd needs gradients) and hand it to the norms."""
+    path = None
+    if not (torch.is_grad_enabled() and draft.fc.weight.requires_grad):  # the kernels have no backward
+        path = load_kernels(kernel_mode(draft.config), like.device)
+    state = draft.__dict__
+    if "_kernel_path" not in state or state["_kernel_path"] is not path:
+        for module in draft.modules():
+            if isinstance(module, DFlashRMSNorm):
+                module._kernels = path
+        state["_kernel_path"] = path
+        logger.info("%s: %s path.", type(draft).__name__, "torch" if path is None else path.label)
+    stats = draft.generation_stats
+    if isinstance(stats, dict) and "kernels" in stats:
+        stats["kernels"] = "torch" if path is None or path.failed else path.label
+    return path
+
+
+def _stacked_kv_weights(draft) -> tuple:
+    """k/v projection and k_norm weights of all layers stacked for the one-pass kernel; rebuilt when any changes."""
+    attns = [layer.self_attn for layer in draft.layers]
+    parts = [(a.k_proj.weight, a.v_proj.weight, a.k_proj.bias, a.v_proj.bias, a.k_norm.weight) for a in attns]
+    key = tuple((t.data_ptr(), t._version) for group in parts for t in group if t is not None)
+    cached = draft.__dict__.get("_kv_stack")
+    if cached is None or cached[0] != key:
+        stacked = tuple(None if group[0] is None else torch.stack(group) for group in zip(*parts))
+        draft.__dict__["_kv_stack"] = cached = (key, stacked)
+    return cached[1]
+
+
+def _project_context_kv(draft, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple]:
+    """Per layer (k, v) [B, KVH, C, D] of the context: one kernel launch for all layers, else each `project_kv`."""
+    path = draft.__dict__.get("_kernel_path")
+    if path is not None and context.shape[1]:
+        k_weight, v_weight, k_bias, v_bias, norm_weight = _stacked_kv_weights(draft)
+        eps = draft.layers[0].self_attn.k_norm.variance_epsilon
+        out = path("context_kv", context, k_weight, v_weight, k_bias, v_bias, norm_weight, cos, sin, eps)
+        if out is not None:
+            return list(zip(out[0].unbind(0), out[1].unbind(0)))
+    return [layer.self_attn.project_kv(context, cos, sin) for layer in draft.layers]
+
+
+def _plain_temperature(logits_processor) -> float | None:
+    """The temperature when the processors amount to at most one temperature warper, else None (torch walk)."""
+    if not logits_processor:
+        return 1.0
+    try:
+        from transformers.generation.logits_process import TemperatureLogitsWarper
+    except ImportError:
+        return None
+    if len(logits_processor) == 1 and isinstance(logits_processor[0], TemperatureLogitsWarper):
+        return float(logits_processor[0].temperature)
+    return None
+
+
+def _markov_walk_kernel(draft, hidden, base, anchor_ids, logits_processor, do_sample, need_logits, threshold):
+    """DSpark's walk in one launch, or None when the torch walk must run (no kernels, non-vanilla head, processors).
+
+    Sampling draws one uniform per slot up front (same distribution as the torch walk's multinomial, other draws).
+    The kernel walks the whole block; cutting at the first slot where every row's survival is below `threshold`
+    afterwards gives what the torch walk's early stop gives, since picks do not depend on the threshold.
+    """
+    path = draft.__dict__.get("_kernel_path")
+    head, conf_head = draft.markov_head, draft.confidence_head
+    if path is None or (head is not None and head.head_type != "vanilla"):
+        return None
+    temperature = _plain_temperature(logits_processor)
+    if temperature is None:
+        return None
+    uniforms = torch.rand(base.shape[:2], device=base.device) if do_sample else None
+    out = path(
+        "markov_walk", base, hidden, anchor_ids,
+        None if head is None else head.markov_w1.weight, None if head is None else head.markov_w2.weight,
+        draft.d2t if draft.config.drafts_pruned_vocab else None,
+        None if conf_head is None else conf_head.proj.weight[0], None if conf_head is None else conf_head.proj.bias,
+        uniforms, temperature, bool(draft.config.confidence_head_with_markov), bool(need_logits),
+    )
+    if out is None:
+        return None
+    ids, logits, confidence, survival = out
+    stop = ids.shape[1]
+    if conf_head is not None and threshold is not None:
+        below = (survival < threshold).all(0).nonzero()
+        if len(below):
+            stop = int(below[0, 0])
+    draft_logits = draft.to_target_logits(logits[:, :stop]) if need_logits else None
+    return DraftProposal(ids[:, :stop], draft_logits, confidence[:, : stop + 1] if conf_head is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Draft models
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -277,6 +505,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self._target_embedding: torch.Tensor | None = None
         self._target_head: torch.Tensor | None = None
         self.confidence_threshold = getattr(config, "confidence_threshold", None)
+        # How the generator reads the target's states ("auto", "outputs", "hooks"), and whether it moves the draft
+        # next to the target's last decoder layer (set False to keep the draft where you put it).
+        self.capture_mode = "auto"
+        self.place_with_target = True
         self.generation_stats: dict = {}
         self._build_heads(config)
         self.post_init()
@@ -299,15 +531,16 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 f"The draft borrows the target's embedding and lm_head, but {type(target).__name__} exposes "
                 f"input embeddings={type(embedding).__name__} and output embeddings={type(head).__name__}."
             )
-        for name, weight in (("embedding", embedding.weight), ("lm_head", head.weight)):
+        embedding_weight, head_weight = materialized_weight(embedding), materialized_weight(head)
+        for name, weight in (("embedding", embedding_weight), ("lm_head", head_weight)):
             if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
                 raise ValueError(
                     f"The target's {name} has shape {tuple(weight.shape)}, the draft expects "
                     f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})."
                 )
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        self._target_embedding = embedding.weight.detach().to(device=device, dtype=dtype)
-        self._target_head = self._select_head_rows(head.weight.detach().to(device=device, dtype=dtype))
+        self._target_embedding = embedding_weight.to(device=device, dtype=dtype)
+        self._target_head = self._select_head_rows(head_weight.to(device=device, dtype=dtype))
 
     def _select_head_rows(self, head: torch.Tensor) -> torch.Tensor:
         return head
@@ -362,6 +595,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         dtype = noise_embeds.dtype
         if context_hidden_states is None:
             context_hidden_states = noise_embeds.new_zeros(batch, 0, self.fc.in_features)
+        _sync_draft_kernels(self, noise_embeds)
         context = self.hidden_norm(self.fc(context_hidden_states.to(dtype)))
         ctx_len = context.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
@@ -373,10 +607,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         block_cos, block_sin = cos[:, ctx_len:], sin[:, ctx_len:]
         query_pos = position_ids[:, ctx_len:]
 
+        all_context_kv = _project_context_kv(self, context, ctx_cos, ctx_sin)  # every layer at once
         x = noise_embeds
-        for layer in self.layers:
+        for layer, (ctx_k, ctx_v) in zip(self.layers, all_context_kv):
             attn = layer.self_attn
-            ctx_k, ctx_v = attn.project_kv(context, ctx_cos, ctx_sin)
             if isinstance(cache, DFlashContextCache):
                 context_kv = cache.append(attn.layer_idx, ctx_k, ctx_v)
                 block_context_kv = context_kv
@@ -398,8 +632,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = attention_mask[:, -(num_context + block_len) :].bool()[:, None, None, :]
         if attn.sliding_window is not None:
-            key_pos = torch.cat([query_pos[:, :1] - num_context + torch.arange(num_context, device=query_pos.device), query_pos], 1)
-            window = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < attn.sliding_window
+            offsets = torch.arange(-num_context, 0, device=query_pos.device)
+            key_pos = torch.cat([query_pos[:, :1] + offsets, query_pos], 1)
+            distance = query_pos[:, :, None] - key_pos[:, None, :]
+            window = distance.abs() < attn.sliding_window
+            if attn.causal:
+                window &= distance >= 0
             mask = window[:, None] if mask is None else mask & window[:, None]
         return mask
 
@@ -487,7 +725,7 @@ class DSparkMarkovHead(nn.Module):
         if self.head_type == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, e], -1)))
             return self.markov_w2(gate * e), state, e
-        gate, cand, out = self.joint_proj(torch.cat([hidden, e, state], -1)).chunk(3, dim=-1)
+        gate, cand, out = self.joint_proj(torch.cat([state, e, hidden], -1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(cand)
         return self.markov_w2(torch.tanh(out)), state, e
@@ -571,6 +809,9 @@ class DSparkDraftModel(DFlashDraftModel):
     def _markov_walk(self, hidden, base, anchor_ids, prefix_ids, logits_processor, do_sample, need_logits, threshold):
         """Left to right: bias slot k by the token chosen at k-1 (the anchor for k=0); stop when the predicted
         survival (product of per-slot acceptance) falls below `threshold`."""
+        walked = _markov_walk_kernel(self, hidden, base, anchor_ids, logits_processor, do_sample, need_logits, threshold)
+        if walked is not None:  # the one-launch Triton walk ran (vanilla head, no processor beyond temperature)
+            return walked
         prev = anchor_ids
         ids = prefix_ids
         state = self.markov_head.initial_state(hidden[:, 0]) if self.markov_head is not None else None
@@ -652,6 +893,149 @@ def check_draft_fits_target(draft_config: DFlashConfig, target_config) -> None:
         )
 
 
+class TargetStateCapture:
+    """Captures the outputs of the target's chosen decoder layers during its forwards.
+
+    mode "outputs": transformers' selective `output_hidden_states=[t + 1, ...]` (only those layers are kept);
+    mode "hooks": forward hooks on the decoder layers, for targets whose modeling code cannot select (remote code,
+    older code). "auto" picks "outputs" where the target records hidden states through transformers' output capture.
+    Either way, only the chosen layers' states are held, and only until the next forward.
+    """
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int], mode: str = "auto"):
+        self.layer_ids = list(layer_ids)
+        self.layers = find_decoder_layers(target)
+        if mode == "auto":
+            mode = "outputs" if "hidden_states" in (getattr(target, "_can_record_outputs", None) or {}) else "hooks"
+        if mode not in ("outputs", "hooks"):
+            raise ValueError(f"capture mode must be 'auto', 'outputs' or 'hooks', got {mode!r}.")
+        self.mode = mode
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        if mode == "hooks":
+            for t in self.layer_ids:
+                # `hidden_states[N]` is the final-normed state in transformers, so the last layer is read after the norm.
+                module = self.layers[t] if t < len(self.layers) - 1 else find_final_norm(target, self.layers)
+                self._handles.append(module.register_forward_hook(self._recorder(t)))
+
+    def _recorder(self, layer_id: int):
+        def record(module, args, output):
+            self._captured[layer_id] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+
+        return record
+
+    @property
+    def model_kwargs_overrides(self) -> dict:
+        return {"output_hidden_states": [t + 1 for t in self.layer_ids]} if self.mode == "outputs" else {}
+
+    def states(self, model_outputs, count: int, device: torch.device) -> torch.Tensor:
+        """[B, count, K*H]: the first `count` positions of the last target forward, layers concatenated."""
+        if self.mode == "hooks":
+            parts = [self._captured[t] for t in self.layer_ids]
+        else:
+            hidden = getattr(model_outputs, "hidden_states", None)
+            if hidden is None or any(hidden[t + 1] is None for t in self.layer_ids):
+                raise RuntimeError(
+                    "The target did not return the requested hidden states; set `draft.capture_mode = 'hooks'`."
+                )
+            parts = [hidden[t + 1] for t in self.layer_ids]
+        return torch.cat([p[:, :count].to(device) for p in parts], dim=-1)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._captured.clear()
+
+
+# Where decoder layers live in the models users bring: causal LMs, multimodal wrappers, GPT-style and encoder-decoder.
+DECODER_LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "language_model.layers",
+    "model.text_model.layers",
+    "text_model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder layer list, found by the usual paths, else by its length (num_hidden_layers)."""
+    for path in DECODER_LAYER_PATHS:
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if isinstance(module, nn.ModuleList):
+            return module
+    expected = model.config.get_text_config(decoder=True).num_hidden_layers
+    candidates = [m for _, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == expected]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise ValueError(
+        f"Could not find the decoder layers of {type(model).__name__}: none of {', '.join(DECODER_LAYER_PATHS)} exists "
+        f"and {len(candidates)} ModuleLists have num_hidden_layers={expected} entries. Set `draft.capture_mode` and "
+        "capture the layers yourself, or report the model layout."
+    )
+
+
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "ln_f")
+
+
+def find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The norm applied after the decoder layers: a sibling of the layer list under one of the usual names."""
+    for _, parent in model.named_modules():
+        if any(child is layers for child in parent.children()):
+            for name in FINAL_NORM_NAMES:
+                if isinstance(getattr(parent, name, None), nn.Module):
+                    return getattr(parent, name)
+    raise ValueError(
+        f"The draft reads the last decoder layer, whose state transformers reports after the final norm, but no final "
+        f"norm ({', '.join(FINAL_NORM_NAMES)}) sits beside the layers of {type(model).__name__}."
+    )
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where a module computes: accelerate's execution device if dispatched, else where its weights are."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return torch.device("cpu")
+
+
+def materialized_weight(module: nn.Module) -> torch.Tensor:
+    """A module's weight, read from accelerate's offload map when it is offloaded (meta) between forwards."""
+    weight = module.weight
+    if weight.device.type != "meta":
+        return weight.detach()
+    weights_map = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+    if weights_map is not None and "weight" in weights_map:
+        return weights_map["weight"]
+    raise ValueError(f"The target's {type(module).__name__} weight is offloaded and could not be read back.")
+
+
+CROPPABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def check_target_cache_croppable(target: PreTrainedModel) -> None:
+    """Speculation rolls the target's cache back after each verify; recurrent layers cannot be rolled back."""
+    layer_types = getattr(target.config.get_text_config(decoder=True), "layer_types", None) or []
+    recurrent = sorted({t for t in layer_types if t not in CROPPABLE_LAYER_TYPES})
+    if getattr(target, "_is_stateful", False) or recurrent:
+        raise ValueError(
+            f"{type(target).__name__} keeps recurrent state ({', '.join(recurrent) or 'stateful model'}) that cannot be "
+            "cropped back after a rejected draft, so block speculation cannot be lossless on it. Generate without "
+            "`assistant_model`."
+        )
+
+
 def _new_stats(kernel_path: str) -> dict:
     return {
         "acceptance_lengths": [],
@@ -683,11 +1067,16 @@ class DFlashCandidateGenerator(CandidateGenerator):
                 "assisted generation does. Call `generate` once per prompt, or drop `assistant_model` for batched decoding."
             )
         check_draft_fits_target(draft.config, target.config)
+        check_target_cache_croppable(target)
+        self.capture = TargetStateCapture(target, draft.config.target_layer_ids, draft.capture_mode)
+        self.model_kwargs_overrides = self.capture.model_kwargs_overrides
+        if draft.place_with_target:  # beside the last decoder layer, where the states are freshest
+            device = execution_device(self.capture.layers[-1])
+            if draft.fc.weight.device != device:
+                draft.to(device)
         draft.bind_target(target)
         self.draft = draft
         self.device = draft.fc.weight.device
-        self.layer_ids = list(draft.config.target_layer_ids)
-        self.model_kwargs_overrides = {"output_hidden_states": [t + 1 for t in self.layer_ids]}
         self.cache = DFlashContextCache()
         self.num_context = 0  # verified tokens whose states are in the draft's cache
         self.do_sample = bool(generation_config.do_sample)
@@ -708,7 +1097,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             self._last_return = time.perf_counter()
             return input_ids, None
         fresh = input_ids.shape[1] - 1 - self.num_context
-        context = torch.cat([model_outputs.hidden_states[t + 1][:, :fresh] for t in self.layer_ids], dim=-1)
+        context = self.capture.states(model_outputs, fresh, self.device)
         budget = self.max_length - input_ids.shape[1] - 1
         proposal = self.draft.propose(
             context.to(self.device),
@@ -751,6 +1140,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def finish(self, sequences: torch.Tensor) -> dict:
         """Close the books after `generate` returns: the last verify step and the totals."""
+        self.capture.close()
         self._account_verify(sequences.shape[1], time.perf_counter())
         lengths = self.stats["acceptance_lengths"]
         self.stats["mean_acceptance_length"] = sum(lengths) / len(lengths) if lengths else 0.0
@@ -801,10 +1191,14 @@ def install_generate_hook() -> None:
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
-        result = original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
-        generator = getattr(assistant_model, "_active_generator", None) if _is_block_drafter(assistant_model) else None
+        try:
+            result = original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        finally:
+            generator = getattr(assistant_model, "_active_generator", None) if _is_block_drafter(assistant_model) else None
+            if generator is not None:
+                assistant_model._active_generator = None
+                generator.capture.close()  # never leave hooks on the target, even when generation raised
         if generator is not None:
-            assistant_model._active_generator = None
             generator.finish(result if isinstance(result, torch.Tensor) else result.sequences)
         return result
 
@@ -825,6 +1219,8 @@ __all__ = [
     "DFlashCandidateGenerator",
     "DFlashContextCache",
     "DraftProposal",
+    "TargetStateCapture",
+    "find_decoder_layers",
     "check_draft_fits_target",
     "check_vocab_mapping",
     "install_generate_hook",

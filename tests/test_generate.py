@@ -1,0 +1,356 @@
+"""`target.generate(assistant_model=draft)`: token-for-token identical to the target alone under greedy, the
+target's distribution under sampling, and the bookkeeping around it."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from dflash_hf import DFlashContextCache
+from tiny import random_dflash, random_dspark, tiny_target
+
+SMALL_VOCAB = 16  # small enough that random drafts are sometimes right, so accepted runs really happen
+FAMILIES = ["llama", "qwen3", "deepseek_v3"]
+HEAD_TYPE = {"llama": "vanilla", "qwen3": "gated", "deepseek_v3": "rnn"}
+
+
+@functools.cache
+def pair(family: str, kind: str):
+    target = tiny_target(family, vocab_size=SMALL_VOCAB)
+    if kind == "dflash":
+        return target, random_dflash(target, num_layers=2, layer_ids=[0, 2])
+    draft = random_dspark(target, markov_rank=4, markov_head_type=HEAD_TYPE[family], draft_vocab_size=12)
+    kept = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15])
+    t2d = torch.zeros(SMALL_VOCAB, dtype=torch.bool)
+    t2d[kept] = True
+    draft.set_vocab_mapping(kept - torch.arange(12), t2d)
+    return target, draft
+
+
+def greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_greedy_is_exact(family, data):
+    kind = data.draw(st.sampled_from(["dflash", "dspark"]), label="kind")
+    target, draft = pair(family, kind)
+    draft.config.block_size = data.draw(st.integers(2, 16), label="block_size")
+    gen = {}
+    if kind == "dspark":
+        draft.config.sample_from_anchor = data.draw(st.booleans(), label="sample_from_anchor")
+        gen["generation_config"] = GenerationConfig(
+            dspark_confidence_threshold=data.draw(st.sampled_from([0.0, 0.2, 0.5]), label="threshold")
+        )
+    prompt = data.draw(st.lists(st.integers(3, SMALL_VOCAB - 1), min_size=1, max_size=12), label="prompt")
+    max_new = data.draw(st.integers(1, 64), label="max_new_tokens")
+    ids = torch.tensor([prompt])
+    free = greedy(target, ids, max_new_tokens=max_new, eos_token_id=None, **gen)[0, len(prompt):]
+    # EOS at a random place: one of the tokens the target itself will produce, or one it never produces.
+    eos = data.draw(st.sampled_from(free.tolist() + [SMALL_VOCAB - 1]), label="eos")
+    expected = greedy(target, ids, max_new_tokens=max_new, eos_token_id=eos, **gen)
+    got = greedy(target, ids, max_new_tokens=max_new, eos_token_id=eos, assistant_model=draft, **gen)
+    assert got.tolist() == expected.tolist()
+    stats = draft.generation_stats
+    assert sum(stats["acceptance_lengths"]) + 1 == got.shape[1] - len(prompt)  # +1: the prefill's token
+
+
+def shift_target(vocab=SMALL_VOCAB):
+    """A Llama whose greedy next token is (current + 1) mod vocab: layers add nothing to the residual stream and the
+    head maps each (orthogonal) embedding to its successor's row."""
+    target = tiny_target("llama", vocab_size=vocab)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        basis = torch.linalg.qr(torch.randn(32, 32)).Q[:vocab]
+        target.model.embed_tokens.weight.copy_(basis)
+        target.lm_head.weight.copy_(torch.roll(basis, 1, dims=0) * 10)
+    return target
+
+
+def oracle_dspark(target, wrong_after=(), block_size=6):
+    """A DSpark draft whose Markov head encodes the target's successor rule, so it proposes exactly the target's
+    greedy tokens; after the tokens in `wrong_after` it proposes a wrong one."""
+    draft = random_dspark(target, markov_rank=SMALL_VOCAB, confidence=False, block_size=block_size)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(SMALL_VOCAB))
+        successor = torch.roll(torch.eye(SMALL_VOCAB), 1, dims=0)
+        for token in wrong_after:
+            successor[:, token] = torch.roll(successor[:, token], 1)
+        draft.markov_head.markov_w2.weight.copy_(successor * 1000)
+    return draft
+
+
+def test_draft_that_copies_the_target_is_fully_accepted():
+    target = shift_target()
+    ids = torch.tensor([[4, 5]])
+    assert greedy(target, ids, max_new_tokens=5, eos_token_id=None)[0, 2:].tolist() == [6, 7, 8, 9, 10]
+    draft = oracle_dspark(target, block_size=6)
+    out = greedy(target, ids, max_new_tokens=1 + 6 * 5, eos_token_id=None, assistant_model=draft)
+    assert out.tolist() == greedy(target, ids, max_new_tokens=1 + 6 * 5, eos_token_id=None).tolist()
+    assert draft.generation_stats["acceptance_lengths"] == [6] * 5  # tau == block_size
+    assert draft.generation_stats["mean_acceptance_length"] == 6
+
+
+def test_dflash_layout_copying_draft_reaches_block_size():
+    """DFlash layout: a target that always says 0 and a draft that always says 0 (zeroed final norms)."""
+    target = tiny_target("qwen3", vocab_size=SMALL_VOCAB)
+    draft = random_dflash(target, block_size=8)
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+        draft.norm.weight.zero_()
+    out = greedy(target, torch.tensor([[3, 4]]), max_new_tokens=1 + 8 * 4, eos_token_id=None, assistant_model=draft)
+    assert out[0, 2:].tolist() == [0] * 33
+    assert draft.generation_stats["acceptance_lengths"] == [8] * 4
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(start=st.integers(3, SMALL_VOCAB - 1), max_new=st.integers(1, 64), block=st.integers(2, 16),
+       eos=st.integers(0, SMALL_VOCAB - 1), wrong=st.sets(st.integers(0, SMALL_VOCAB - 1), max_size=4))
+def test_partially_right_draft_with_eos_and_length_edges(start, max_new, block, eos, wrong):
+    """Long accepted runs cut by EOS inside the run and by max_new_tokens mid-block."""
+    target = _shift_target_cached()
+    draft = oracle_dspark(target, wrong_after=tuple(sorted(wrong)), block_size=block)
+    ids = torch.tensor([[start]])
+    expected = greedy(target, ids, max_new_tokens=max_new, eos_token_id=eos)
+    got = greedy(target, ids, max_new_tokens=max_new, eos_token_id=eos, assistant_model=draft)
+    assert got.tolist() == expected.tolist()
+
+
+@functools.cache
+def _shift_target_cached():
+    torch.manual_seed(7)
+    return shift_target()
+
+
+def test_context_fed_incrementally_equals_recomputed_from_scratch():
+    """Every block proposed during generation equals the proposal made from the full prefix with a fresh cache."""
+    torch.manual_seed(0)
+    target = tiny_target("qwen3", vocab_size=SMALL_VOCAB).double()
+    draft = random_dflash(target, num_layers=2, layer_ids=[1, 3], block_size=5).double()
+    ids = torch.tensor([[3, 7, 9, 4, 12]])
+    out = greedy(target, ids, max_new_tokens=40, eos_token_id=None, assistant_model=draft)
+    stats = draft.generation_stats
+    states = target(out, output_hidden_states=True).hidden_states
+    context = torch.cat([states[t + 1] for t in draft.config.target_layer_ids], -1)
+    length = ids.shape[1] + 1
+    for proposed, emitted in zip(stats["proposals"], stats["acceptance_lengths"]):
+        fresh = draft.propose(context[:, : length - 1], out[:, length - 1], DFlashContextCache())
+        assert proposed == fresh.draft_ids[0, : len(proposed)].tolist()
+        length += emitted
+    assert length == out.shape[1]
+
+
+# -- sampling ------------------------------------------------------------------------------------------------------
+
+SAMPLE_VOCAB = 6
+
+
+def _sampling_pair():
+    torch.manual_seed(3)
+    target = tiny_target("llama", vocab_size=SAMPLE_VOCAB)
+    target.generation_config.eos_token_id = None
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60)  # peaked, position-dependent distributions
+    draft = random_dflash(target, block_size=4, seed=5)
+    with torch.no_grad():
+        draft.norm.weight.mul_(3)
+    return target, draft
+
+
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=4, repetition_penalty=1.3)
+
+
+def exact_pair_distribution(target, prompt):
+    """P(t2, t3) of the target alone under SAMPLING (t1 marginalised), from its logits and the same processors."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
+
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
+                                      TemperatureLogitsWarper(SAMPLING["temperature"]), TopKLogitsWarper(SAMPLING["top_k"])])
+
+    def next_probs(seq):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logits = target(ids).logits[:, -1].float()
+        return processors(ids, logits).softmax(-1)[0]
+
+    joint = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, dtype=torch.float64)
+    p1 = next_probs(prompt)
+    for t1 in range(SAMPLE_VOCAB):
+        if p1[t1] == 0:
+            continue
+        p2 = next_probs(prompt + [t1])
+        for t2 in range(SAMPLE_VOCAB):
+            if p2[t2] == 0:
+                continue
+            joint[t2] += p1[t1] * p2[t2] * next_probs(prompt + [t1, t2]).double()
+    return joint.flatten()
+
+
+def sampled_pair_counts(target, draft, prompt, runs, seed=0):
+    counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
+    ids = torch.tensor([prompt])
+    torch.manual_seed(seed)
+    for _ in range(runs):
+        out = target.generate(ids, max_new_tokens=4, assistant_model=draft, **SAMPLING)[0, len(prompt):]
+        counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
+    return counts
+
+
+def chi_square_p_value(counts, probs):
+    """Pearson chi-square goodness of fit, cells with small expectation pooled."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+RUNS = 1500
+PROMPT = [1, 3, 2]
+
+
+def test_sampling_matches_the_target_distribution():
+    target, draft = _sampling_pair()
+    probs = exact_pair_distribution(target, PROMPT)
+    counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
+    assert sum(draft.generation_stats["acceptance_lengths"]) > 0
+    assert chi_square_p_value(counts, probs) > 1e-3
+
+
+def test_sampling_negative_control_fails(monkeypatch):
+    """The same check rejects a sampler whose q ignores the logits processors (a classic bug)."""
+    target, draft = _sampling_pair()
+    propose = draft.propose
+
+    def wrong_q(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        hidden_free = propose(*args, **{**kwargs, "logits_processor": None, "do_sample": False, "need_logits": True})
+        proposal.draft_logits = hidden_free.draft_logits  # raw logits as q, but tokens sampled from processed ones
+        return proposal
+
+    monkeypatch.setattr(draft, "propose", wrong_q)
+    probs = exact_pair_distribution(target, PROMPT)
+    counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
+    assert chi_square_p_value(counts, probs) < 1e-3
+
+
+# -- bookkeeping, streaming, errors --------------------------------------------------------------------------------
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_exactly_the_generated_tokens():
+    target = _shift_target_cached()
+    draft = oracle_dspark(target, wrong_after=(9,), block_size=4)
+    streamer = Collect()
+    ids = torch.tensor([[3, 4]])
+    out = greedy(target, ids, max_new_tokens=20, eos_token_id=None, assistant_model=draft, streamer=streamer)
+    assert streamer.chunks[0] == [3, 4] and streamer.ended
+    assert sum(streamer.chunks[1:], []) == out[0, 2:].tolist()
+    assert max(len(c) for c in streamer.chunks[1:]) > 1  # whole accepted runs arrive at once
+
+
+def test_return_dict_in_generate_with_scores():
+    target = _shift_target_cached()
+    draft = oracle_dspark(target, wrong_after=(6,), block_size=5)
+    ids = torch.tensor([[3]])
+    plain = greedy(target, ids, max_new_tokens=15, eos_token_id=None, return_dict_in_generate=True, output_scores=True)
+    spec = greedy(target, ids, max_new_tokens=15, eos_token_id=None, return_dict_in_generate=True, output_scores=True,
+                  assistant_model=draft)
+    assert torch.equal(plain.sequences, spec.sequences)
+    assert len(spec.scores) == 15
+    for a, b in zip(plain.scores, spec.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_stats_add_up():
+    target = _shift_target_cached()
+    draft = oracle_dspark(target, wrong_after=(5, 11), block_size=6)
+    out = greedy(target, torch.tensor([[3]]), max_new_tokens=40, eos_token_id=None, assistant_model=draft)
+    s = draft.generation_stats
+    assert s["target_forwards"] == len(s["acceptance_lengths"]) + 1
+    assert s["draft_forwards"] == len(s["proposals"]) == len(s["acceptance_lengths"])
+    assert s["accepted_tokens"] == sum(s["acceptance_lengths"]) - len(s["acceptance_lengths"])
+    assert 1 < s["mean_acceptance_length"] < 6
+    assert s["time_s"]["total"] >= s["time_s"]["draft"] + s["time_s"]["verify"] > 0
+    assert out.shape[1] == 41
+
+
+def test_batch_of_two_is_refused_with_advice():
+    target, draft = pair("llama", "dflash")
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        greedy(target, torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4, assistant_model=draft)
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 20), ("target_hidden_size", 16), ("num_target_layers", 8)])
+def test_draft_that_does_not_fit_the_target_is_refused(field, value):
+    target = tiny_target("llama", vocab_size=SMALL_VOCAB)
+    other = tiny_target("llama", vocab_size=SMALL_VOCAB if field != "vocab_size" else value,
+                        num_layers=value if field == "num_target_layers" else 4)
+    draft = random_dflash(other)
+    if field == "target_hidden_size":
+        draft.config.target_hidden_size = value
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        greedy(target, torch.tensor([[3, 4]]), max_new_tokens=4, assistant_model=draft)
+
+
+def test_layer_ids_and_mask_outside_the_target_are_refused():
+    target = tiny_target("llama", vocab_size=SMALL_VOCAB)
+    draft = random_dflash(target)
+    draft.config.target_layer_ids = [7]
+    with pytest.raises(ValueError, match="layers"):
+        greedy(target, torch.tensor([[3]]), max_new_tokens=4, assistant_model=draft)
+    draft.config.target_layer_ids = [1]
+    draft.config.mask_token_id = SMALL_VOCAB
+    with pytest.raises(ValueError, match="mask_token_id"):
+        greedy(target, torch.tensor([[3]]), max_new_tokens=4, assistant_model=draft)
+
+
+def test_hook_is_idempotent_and_leaves_other_assistants_alone():
+    import importlib
+
+    from transformers import GenerationMixin
+
+    import dflash_hf.modeling_dflash as modeling
+
+    hooked = GenerationMixin._get_candidate_generator
+    modeling.install_generate_hook()
+    importlib.reload(modeling)  # a second copy of the module (as remote code would be) installs nothing new
+    assert GenerationMixin._get_candidate_generator is hooked
+    target = tiny_target("llama", vocab_size=SMALL_VOCAB)
+    assistant = tiny_target("llama", vocab_size=SMALL_VOCAB, seed=1)
+    ids = torch.tensor([[3, 4, 5, 3, 4]])
+    expected = greedy(target, ids, max_new_tokens=12)
+    assert torch.equal(greedy(target, ids, max_new_tokens=12, assistant_model=assistant), expected)
+    assert torch.equal(greedy(target, ids, max_new_tokens=12, prompt_lookup_num_tokens=3), expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_builtin_dflash_path_runs_our_draft(family):
+    target, draft = pair(family, "dflash")
+    draft.config.block_size = 4
+    ids = torch.tensor([[3, 9, 4, 11]])
+    expected = greedy(target, ids, max_new_tokens=30, eos_token_id=None)
+    got = greedy(target, ids, max_new_tokens=30, eos_token_id=None, assistant_model=draft, speculation_type="dflash")
+    assert torch.equal(got, expected)
