@@ -151,21 +151,11 @@ class RunView:
 def stream_generation(target, inputs: dict, settings: dict, draft=None):
     """Run `target.generate` in a thread and yield (step ids, that step's draft proposal or None) as they come.
 
-    The draft's `propose` (its one entry point) is wrapped on this instance for the call only, to keep each block it
-    proposed: the candidate generator books totals, while the colours need the per-step proposals.
+    The proposals come from the candidate generator's live books (`generation_stats["proposals"]`): a step's tokens
+    reach the streamer only after the block they verified was proposed.
     """
     streamer = StepStreamer()
-    proposals: list[list[int]] = []
     failure: list[BaseException] = []
-    if draft is not None:
-        original_propose = draft.propose
-
-        def recording_propose(*args, **kwargs):
-            proposal = original_propose(*args, **kwargs)
-            proposals.append(proposal.draft_ids[0].tolist())
-            return proposal
-
-        draft.propose = recording_propose
 
     def work():
         try:
@@ -182,12 +172,11 @@ def stream_generation(target, inputs: dict, settings: dict, draft=None):
         step = 0
         while (ids := streamer.steps.get()) is not None:
             # Step 0 is the prefill's token (no proposal); step j >= 1 was verified against proposal j - 1.
-            yield ids, (proposals[step - 1] if draft is not None and 0 < step <= len(proposals) else None)
+            proposals = draft.generation_stats["proposals"] if draft is not None and step > 0 else []
+            yield ids, (proposals[step - 1] if step <= len(proposals) and step > 0 else None)
             step += 1
     finally:
         thread.join()
-        if draft is not None:
-            del draft.propose
     if failure:
         raise failure[0]
 
