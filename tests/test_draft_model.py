@@ -64,6 +64,12 @@ def reference_block_hidden(model, context_states, block_ids, ctx_start=0):
         v = (kv_in @ a.v_proj.weight.T).view(-1, c.num_key_value_heads, c.head_dim)
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(c.head_dim)
+        if c.layer_types[layer.self_attn.layer_idx] == "sliding_attention":
+            distance = blk_pos[:, None] - pos[None, :]
+            allowed = distance.abs() < c.sliding_window
+            if c.sliding_window_causal:
+                allowed &= distance >= 0
+            scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, -1)
         x = x + out @ a.o_proj.weight.T
         m = layer.mlp
@@ -105,6 +111,16 @@ def test_cached_context_matches_published_math(num_layers, heads, kv_heads):
     torch.testing.assert_close(second, whole, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_window_layers(causal):
+    model = make_draft(2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                       sliding_window_causal=causal)
+    context = torch.randn(9, 2 * HT)
+    ids = block(7, model)
+    ours = model(model.embed(ids[None]), context[None]).last_hidden_state[0]
+    torch.testing.assert_close(ours, reference_block_hidden(model, context, ids), atol=1e-5, rtol=1e-5)
+
+
 def make_dspark(head_type="vanilla", pruned=True, sample_from_anchor=False, seed=0):
     model = make_draft(2, cls=DSparkDraftModel, config_cls=DSparkConfig, seed=seed, markov_rank=6,
                        markov_head_type=head_type, enable_confidence_head=True, confidence_head_with_markov=True,
@@ -138,7 +154,7 @@ def reference_markov_walk(model, context, anchor, threshold=None):
             g = torch.sigmoid(head.gate_proj.weight @ torch.cat([h, e]) + head.gate_proj.bias)
             bias = head.markov_w2.weight @ (g * e)
         else:
-            z = head.joint_proj.weight @ torch.cat([h, e, state]) + head.joint_proj.bias
+            z = head.joint_proj.weight @ torch.cat([state, e, h]) + head.joint_proj.bias
             g, cand, out = z.split(c.markov_rank)
             g = torch.sigmoid(g)
             state = g * state + (1 - g) * torch.tanh(cand)
