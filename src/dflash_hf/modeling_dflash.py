@@ -1068,6 +1068,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
             )
         check_draft_fits_target(draft.config, target.config)
         check_target_cache_croppable(target)
+        if target.device.type == "meta":
+            raise ValueError(
+                "The target's input embedding is offloaded to disk (target.device is meta), which transformers' "
+                "assisted generation cannot run with: keep the embedding on a real device in your device_map."
+            )
         self.capture = TargetStateCapture(target, draft.config.target_layer_ids, draft.capture_mode)
         self.model_kwargs_overrides = self.capture.model_kwargs_overrides
         if draft.place_with_target:  # beside the last decoder layer, where the states are freshest
