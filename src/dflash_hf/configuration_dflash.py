@@ -35,6 +35,8 @@ class DFlashConfig(PretrainedConfig):
         block_size: ids per drafted block (`[anchor, MASK, ...]`).
         mask_token_id: the id filling the non-anchor block slots; any id inside `vocab_size`.
         shares_target_embeddings: the draft has no embedding or lm_head of its own and borrows the target's.
+        use_kernels: "auto" (Triton kernels on CUDA when they load, else torch), "1" (kernels or an error) or "0"
+            (torch only); the environment variable DFLASH_KERNELS overrides it. None = "auto".
         sliding_window_causal: sliding-window layers are causal inside the block (the engines' default); full
             attention layers are always bidirectional inside the block.
     """
@@ -69,6 +71,7 @@ class DFlashConfig(PretrainedConfig):
         block_size: int = 16,
         mask_token_id: int = 0,
         shares_target_embeddings: bool = True,
+        use_kernels: str | None = None,
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
@@ -100,6 +103,7 @@ class DFlashConfig(PretrainedConfig):
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.shares_target_embeddings = shares_target_embeddings
+        self.use_kernels = use_kernels
         # One home for RoPE: a standardized `rope_parameters` dict, whatever the checkpoint called it.
         rope = dict(rope_parameters or rope_scaling or {})
         if "type" in rope and "rope_type" not in rope:

@@ -391,7 +391,8 @@ def _build(args, dest: Path) -> tuple[Path, dict]:
         from .kernels.hub import api_version
 
         # `kernels.get_kernel(repo, version=N)` resolves the branch `vN`; main keeps the card and the newest build.
-        return build_kernel_repo(dest), {"repo_type": "model", "branches": (f"v{api_version()}",)}
+        # kernels 0.17 looks kernels up as Hub repos of type "kernel".
+        return build_kernel_repo(dest), {"repo_type": "kernel", "branches": (f"v{api_version()}",)}
     return build_space_repo(dest, args.repo_id, args.target, args.draft, args.license), {"repo_type": "space",
                                                                                         "space_sdk": "gradio"}
 

@@ -216,7 +216,7 @@ class DraftProposal:
 # Kernels: optional Triton kernels from a Hub kernel repo (through `kernels`); the torch code above everywhere else
 # ----------------------------------------------------------------------------------------------------------------------
 
-import os  # noqa: E402  (kept inside this section: nothing else in the file needs it)
+import os  # only this section needs it
 
 KERNELS_REPO_ID = "dflash-hf/dflash-kernels"
 KERNELS_VERSION = 1  # Hub branch `v1` = the kernel package's API_VERSION
@@ -325,7 +325,7 @@ def _import_kernel_module(kind: str) -> tuple:
             if getattr(module, "API_VERSION", None) != KERNELS_VERSION or missing:
                 raise ImportError(f"API_VERSION {getattr(module, 'API_VERSION', None)} (expected "
                                   f"{KERNELS_VERSION}), missing ops {missing}")
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001  any failure to load means the next source, then torch
             reasons.append(f"{source}: {type(error).__name__}: {error}")
             continue
         logger.info("DFlash kernels: Triton path, loaded from %s (%s).", source, kind)

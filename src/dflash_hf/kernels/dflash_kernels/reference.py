@@ -1,0 +1,180 @@
+"""Torch references of every kernel, with the kernels' own signatures.
+
+They are the specification: the same math (and the same rounding points) as `modeling_dflash.py`, and what the
+kernels are tested against. Randomness enters only through the uniforms passed in, so results are deterministic.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`DFlashRMSNorm`: normalise in fp32, round back to the input dtype, then scale."""
+    dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def context_kv(
+    x: torch.Tensor,
+    k_weight: torch.Tensor,
+    v_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    v_bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context K/V of every draft layer: `k_norm(k_proj(x))` with RoPE, and `v_proj(x)`.
+
+    x: [B, C, H] projected context; k/v_weight: [L, KVH*D, H]; k/v_bias: [L, KVH*D] or None; norm_weight: [L, D];
+    cos/sin: [B, C, D] -> K, V: [L, B, KVH, C, D] (`DFlashAttention.project_kv` of each layer, stacked).
+    """
+    batch, length = x.shape[:2]
+    head_dim = norm_weight.shape[-1]
+    keys, values = [], []
+    for layer in range(k_weight.shape[0]):
+        k = F.linear(x, k_weight[layer], None if k_bias is None else k_bias[layer])
+        v = F.linear(x, v_weight[layer], None if v_bias is None else v_bias[layer])
+        k = rms_norm(k.view(batch, length, -1, head_dim), norm_weight[layer], eps).transpose(1, 2)
+        v = v.view(batch, length, -1, head_dim).transpose(1, 2)
+        keys.append(k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1))
+        values.append(v)
+    return torch.stack(keys), torch.stack(values)
+
+
+def verify_greedy(logits: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification of one block per row.
+
+    logits: [B, n+1, V] target logits at the anchor and each proposal; proposals: [B, n].
+    Returns accepted [B] (length of the agreeing prefix), next_token [B] (the target's token after it: the bonus)
+    and target_ids [B, n+1] (the target's argmax everywhere; emitted tokens are target_ids[:, :accepted+1]).
+    """
+    target_ids = logits.argmax(-1)
+    num = proposals.shape[1]
+    agree = target_ids[:, :num] == proposals
+    accepted = agree.long().cumprod(-1).sum(-1)
+    next_token = target_ids.gather(1, accepted[:, None])[:, 0]
+    return accepted, next_token, target_ids
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from unnormalised `weights` [B, V] (>= 0) with one uniform in [0, 1) per row.
+
+    The first index whose running sum exceeds u * total; the last index with mass when rounding leaves none.
+    """
+    cdf = weights.cumsum(-1)
+    target = uniforms.to(weights.dtype) * weights.sum(-1)
+    index = torch.searchsorted(cdf, target[:, None].contiguous(), right=True)[:, 0]
+    positions = torch.arange(weights.shape[-1], device=weights.device)
+    last = torch.where(weights > 0, positions, -1).amax(-1).clamp_min(0)
+    return torch.where(index >= weights.shape[-1], last, index)
+
+
+def verify_rejection(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    proposals: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling (Leviathan et al.): keeps the target's distribution exactly.
+
+    target_probs: [B, n+1, V] p; draft_probs: [B, n, V] q (target vocabulary); proposals: [B, n];
+    accept_uniforms: [B, n]; sample_uniforms: [B].
+    Proposal i is accepted when u_i * q_i < p_i (probability min(1, p/q)). At the first rejection m the next token
+    is drawn from norm(max(p_m - q_m, 0)) (from p_m when that residual has no mass); when all are accepted, from
+    p_n (the bonus). Returns accepted [B] and next_token [B].
+    """
+    batch, num = proposals.shape
+    p = target_probs.float()
+    q = draft_probs.float()
+    index = proposals[..., None]
+    p_tok = p[:, :num].gather(-1, index)[..., 0]
+    q_tok = q.gather(-1, index)[..., 0]
+    accept = accept_uniforms.float() * q_tok < p_tok
+    accepted = accept.long().cumprod(-1).sum(-1)
+    rows = torch.arange(batch, device=p.device)
+    p_row = p[rows, accepted]
+    if num:
+        q_row = torch.where((accepted < num)[:, None], q[rows, accepted.clamp(max=num - 1)], 0.0)
+    else:
+        q_row = torch.zeros_like(p_row)
+    residual = (p_row - q_row).clamp_min(0.0)
+    weights = torch.where((residual.sum(-1) <= 0)[:, None], p_row, residual)
+    return accepted, inverse_cdf(weights, sample_uniforms)
+
+
+def markov_walk(
+    base_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    w1: torch.Tensor | None,
+    w2: torch.Tensor | None,
+    d2t: torch.Tensor | None,
+    conf_weight: torch.Tensor | None,
+    conf_bias: torch.Tensor | None,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    conf_with_markov: bool,
+    return_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DSpark's left-to-right walk over one block with the vanilla Markov head (`DSparkDraftModel._markov_walk`).
+
+    base_logits: [B, n, Vd] fp32 draft-vocabulary logits; hidden: [B, n, Hd]; anchor_ids: [B] target ids;
+    w1: [V, r] and w2: [Vd, r] Markov weights (None: no Markov bias); d2t: [Vd] offsets of a pruned vocabulary
+    (target id = i + d2t[i]) or None; conf_weight: [Hd (+ r)] and conf_bias: [1] or None of the confidence head
+    (None weight: no head); uniforms: [B, n] to sample (inverse CDF of softmax(logits / temperature)), None = argmax.
+    Slot k's logits are base_k + W2 W1[prev_k] (scaled by 1/temperature); prev_0 is the anchor and prev_{k+1} the
+    target id picked at k. Returns ids [B, n] (target vocabulary), logits [B, n, Vd] (empty unless
+    return_logits), confidence [B, n] = sigmoid(conf([h_k ; W1[prev_k]])) and survival [B, n] (its running product),
+    both empty without a confidence head.
+    """
+    batch, num, _ = base_logits.shape
+    prev = anchor_ids
+    survival = torch.ones(batch, dtype=torch.float32, device=base_logits.device)
+    ids, slot_logits, confidence, survivals = [], [], [], []
+    for k in range(num):
+        logits_k = base_logits[:, k].float()
+        features = hidden[:, k]
+        e = None
+        if w1 is not None:
+            e = F.embedding(prev, w1)
+            logits_k = logits_k + F.linear(e, w2).float()
+            if conf_with_markov:
+                features = torch.cat([features, e], -1)
+        if conf_weight is not None:
+            conf = torch.sigmoid(F.linear(features, conf_weight[None], conf_bias)[..., 0].float())
+            survival = survival * conf
+            confidence.append(conf)
+            survivals.append(survival)
+        logits_k = logits_k / temperature
+        if uniforms is None:
+            pick = logits_k.argmax(-1)
+        else:
+            weights = torch.exp(logits_k - logits_k.amax(-1, keepdim=True))
+            pick = inverse_cdf(weights, uniforms[:, k])
+        prev = pick + d2t[pick] if d2t is not None else pick
+        ids.append(prev)
+        slot_logits.append(logits_k)
+    empty = base_logits.new_zeros(0)
+    if not return_logits:
+        logits = empty
+    elif num:
+        logits = torch.stack(slot_logits, 1)
+    else:
+        logits = base_logits.new_zeros(batch, 0, base_logits.shape[-1])
+    return (
+        torch.stack(ids, 1) if ids else anchor_ids.new_zeros(batch, 0),
+        logits,
+        torch.stack(confidence, 1) if confidence else empty,
+        torch.stack(survivals, 1) if survivals else empty,
+    )

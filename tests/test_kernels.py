@@ -1,0 +1,127 @@
+"""Triton kernels: each against its torch reference and the draft with kernels on against kernels off (in a process
+started with TRITON_INTERPRET=1, see `interpreted_kernels.py`), plus the switches, the torch fallback, the Hub repo
+layout and the import rules, which need no interpreter."""
+
+import ast
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import random_dflash, tiny_target
+
+from dflash_hf import modeling_dflash
+from dflash_hf.kernels import KERNEL_SOURCE, write_hub_repo
+from dflash_hf.modeling_dflash import DFlashRMSNorm
+
+TESTS = Path(__file__).parent
+
+
+def test_kernels_under_the_interpreter():
+    """The interpreted checks in their own process: Triton must see TRITON_INTERPRET=1 before its first import."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("DFLASH_KERNELS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(TESTS / "interpreted_kernels.py"), "-x", "-q", "-p", "no:cacheprovider"],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+    report = result.stdout[-8000:] + result.stderr[-2000:]
+    assert result.returncode == 0, report
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, report
+
+
+def test_modes(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("DFLASH_KERNELS", "0")
+    assert modeling_dflash.kernel_mode() == "off" and modeling_dflash.load_kernels("off", cpu) is None
+    monkeypatch.setenv("DFLASH_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="DFLASH_KERNELS"):
+        modeling_dflash.kernel_mode()
+    monkeypatch.delenv("DFLASH_KERNELS")
+    assert modeling_dflash.kernel_mode() == "auto"
+    config = random_dflash(tiny_target("qwen3")).config
+    config.use_kernels = False
+    assert modeling_dflash.kernel_mode(config) == "off"
+    monkeypatch.setenv("DFLASH_KERNELS", "1")
+    assert modeling_dflash.kernel_mode(config) == "on"  # the environment overrides the config
+    assert modeling_dflash.load_kernels("auto", cpu) is None  # auto: torch on the CPU
+    with pytest.raises(RuntimeError, match="DFLASH_KERNELS=1"):  # on: loudly, without CUDA or the interpreter
+        modeling_dflash.load_kernels("on", cpu)
+
+
+def test_auto_on_cpu_runs_torch_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv("DFLASH_KERNELS", raising=False)
+    target = tiny_target("qwen3")
+    draft = random_dflash(target)
+    with caplog.at_level(logging.INFO, logger=modeling_dflash.__name__):
+        target.generate(torch.tensor([[1, 5, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False)
+    assert draft.generation_stats["kernels"] == "torch"
+    assert "DFlashDraftModel: torch path." in caplog.text
+    assert all(norm._kernels is None for norm in draft.modules() if isinstance(norm, DFlashRMSNorm))
+
+
+def test_on_without_cuda_fails_loudly_in_the_draft(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("DFLASH_KERNELS", "1")
+    target = tiny_target("qwen3")
+    draft = random_dflash(target)
+    with pytest.raises(RuntimeError, match="need a CUDA device"):
+        target.generate(torch.tensor([[1, 5, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False)
+
+
+def test_training_keeps_torch(monkeypatch):
+    """With gradients needed the draft keeps torch (the kernels have no backward), whatever DFLASH_KERNELS says."""
+    monkeypatch.setenv("DFLASH_KERNELS", "1")
+    target = tiny_target("qwen3")
+    draft = random_dflash(target)
+    draft.bind_target(target)
+    hidden = draft(draft.embed(torch.tensor([[3, 95, 95, 95]])), torch.randn(1, 3, 32)).last_hidden_state
+    hidden.sum().backward()
+    assert draft.fc.weight.grad is not None and draft.__dict__["_kernel_path"] is None
+
+
+def test_hub_repo_layout(tmp_path):
+    from kernels import Metadata
+
+    repo = write_hub_repo(tmp_path / "repo")
+    assert (repo / "README.md").read_text().startswith("---")
+    ids = set()
+    for variant, backend in (("torch-cuda", "cuda"), ("torch-cpu", "cpu")):
+        folder = repo / "build" / variant
+        metadata = json.loads((folder / "metadata.json").read_text())
+        parsed = Metadata.read_from_file(folder / "metadata.json")  # what `kernels` will read
+        assert metadata["backend"]["type"] == backend and parsed.version == modeling_dflash.KERNELS_VERSION
+        ids.add(parsed.id)
+        assert {p.name for p in folder.glob("*.py")} == {p.name for p in KERNEL_SOURCE.glob("*.py")}
+        assert (folder / "__init__.py").read_bytes() == (KERNEL_SOURCE / "__init__.py").read_bytes()
+    assert len(ids) == 2
+
+
+def imported_modules(path: Path) -> set[tuple[str, int]]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name.split(".")[0], 0) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add(((node.module or "").split(".")[0], node.level))
+    return found
+
+
+def test_kernel_package_imports_only_stdlib_torch_triton():
+    allowed = set(sys.stdlib_module_names) | {"torch", "triton"}
+    for path in KERNEL_SOURCE.glob("*.py"):
+        for name, level in imported_modules(path):
+            assert level > 0 or name in allowed, f"{path.name} imports {name}"
+
+
+def test_remote_code_file_stays_standalone():
+    """transformers' check of a remote-code file sees no import of `kernels` or `dflash_hf` (they sit in try:)."""
+    from transformers.dynamic_module_utils import get_imports
+
+    assert set(get_imports(modeling_dflash.__file__)) - set(sys.stdlib_module_names) <= {"torch", "transformers"}
