@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_hf import DFlashContextCache
-from tiny import random_dflash, random_dspark, tiny_target
+from tiny import make_successor_target, oracle_dspark, random_dflash, random_dspark, tiny_target
 
 SMALL_VOCAB = 16  # small enough that random drafts are sometimes right, so accepted runs really happen
 FAMILIES = ["llama", "qwen3", "deepseek_v3"]
@@ -51,41 +51,20 @@ def test_greedy_is_exact(family, data):
     prompt = data.draw(st.lists(st.integers(3, SMALL_VOCAB - 1), min_size=1, max_size=12), label="prompt")
     max_new = data.draw(st.integers(1, 64), label="max_new_tokens")
     ids = torch.tensor([prompt])
-    free = greedy(target, ids, max_new_tokens=max_new, eos_token_id=None, **gen)[0, len(prompt):]
-    # EOS at a random place: one of the tokens the target itself will produce, or one it never produces.
-    eos = data.draw(st.sampled_from(free.tolist() + [SMALL_VOCAB - 1]), label="eos")
-    expected = greedy(target, ids, max_new_tokens=max_new, eos_token_id=eos, **gen)
+    free = greedy(target, ids, max_new_tokens=max_new, eos_token_id=None, **gen)[0, len(prompt):].tolist()
+    # EOS at a random place: one of the tokens the target itself will produce, or one it never produces. Plain greedy
+    # with that EOS is the free run cut just after its first occurrence.
+    eos = data.draw(st.sampled_from(free + [SMALL_VOCAB - 1]), label="eos")
+    expected = prompt + (free[: free.index(eos) + 1] if eos in free else free)
     got = greedy(target, ids, max_new_tokens=max_new, eos_token_id=eos, assistant_model=draft, **gen)
-    assert got.tolist() == expected.tolist()
+    assert got[0].tolist() == expected
     stats = draft.generation_stats
     assert sum(stats["acceptance_lengths"]) + 1 == got.shape[1] - len(prompt)  # +1: the prefill's token
 
 
-def shift_target(vocab=SMALL_VOCAB):
-    """A Llama whose greedy next token is (current + 1) mod vocab: layers add nothing to the residual stream and the
-    head maps each (orthogonal) embedding to its successor's row."""
-    target = tiny_target("llama", vocab_size=vocab)
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        basis = torch.linalg.qr(torch.randn(32, 32)).Q[:vocab]
-        target.model.embed_tokens.weight.copy_(basis)
-        target.lm_head.weight.copy_(torch.roll(basis, 1, dims=0) * 10)
-    return target
-
-
-def oracle_dspark(target, wrong_after=(), block_size=6):
-    """A DSpark draft whose Markov head encodes the target's successor rule, so it proposes exactly the target's
-    greedy tokens; after the tokens in `wrong_after` it proposes a wrong one."""
-    draft = random_dspark(target, markov_rank=SMALL_VOCAB, confidence=False, block_size=block_size)
-    with torch.no_grad():
-        draft.markov_head.markov_w1.weight.copy_(torch.eye(SMALL_VOCAB))
-        successor = torch.roll(torch.eye(SMALL_VOCAB), 1, dims=0)
-        for token in wrong_after:
-            successor[:, token] = torch.roll(successor[:, token], 1)
-        draft.markov_head.markov_w2.weight.copy_(successor * 1000)
-    return draft
+def shift_target():
+    """A Llama whose greedy next token is (current + 1) mod vocab."""
+    return make_successor_target(tiny_target("llama", vocab_size=SMALL_VOCAB))
 
 
 def test_draft_that_copies_the_target_is_fully_accepted():
@@ -354,3 +333,34 @@ def test_transformers_builtin_dflash_path_runs_our_draft(family):
     expected = greedy(target, ids, max_new_tokens=30, eos_token_id=None)
     got = greedy(target, ids, max_new_tokens=30, eos_token_id=None, assistant_model=draft, speculation_type="dflash")
     assert torch.equal(got, expected)
+
+
+def test_confidence_threshold_per_call_and_on_the_draft():
+    target, draft = pair("llama", "dspark")
+    draft.config.block_size, draft.config.sample_from_anchor = 8, False
+    ids = torch.tensor([[3, 9, 4, 11]])
+    expected = greedy(target, ids, max_new_tokens=24, eos_token_id=None)
+
+    def drafted(**kwargs):
+        out = greedy(target, ids, max_new_tokens=24, eos_token_id=None, assistant_model=draft, **kwargs)
+        assert torch.equal(out, expected)
+        return draft.generation_stats["drafted_tokens"]
+
+    full = drafted(generation_config=GenerationConfig(dspark_confidence_threshold=0.0))
+    assert full > 0
+    assert drafted(generation_config=GenerationConfig(dspark_confidence_threshold=1.0)) == 0  # nothing survives
+    draft.confidence_threshold = 1.0
+    try:
+        assert drafted() == 0
+        assert drafted(generation_config=GenerationConfig(dspark_confidence_threshold=0.0)) == full  # per call wins
+    finally:
+        draft.confidence_threshold = None
+
+
+def test_bf16_draft_with_fp32_target():
+    target = tiny_target("qwen3", vocab_size=SMALL_VOCAB)
+    draft = random_dspark(target, block_size=6).to(torch.bfloat16)
+    ids = torch.tensor([[3, 9, 4]])
+    out = greedy(target, ids, max_new_tokens=20, eos_token_id=None, assistant_model=draft)
+    assert torch.equal(out, greedy(target, ids, max_new_tokens=20, eos_token_id=None))
+    assert draft.generation_stats["drafted_tokens"] > 0

@@ -12,7 +12,7 @@ from target_fixtures import (
     tiny_llava,
     tiny_qwen3_moe,
 )
-from tiny import random_dflash, random_dspark, tiny_target
+from tiny import make_successor_target, oracle_dspark, random_dflash, random_dspark, tiny_target
 from torch import nn
 
 from dflash_hf.modeling_dflash import TargetStateCapture, find_decoder_layers
@@ -75,22 +75,6 @@ def zoo(tmp_path_factory):
     return Zoo(tmp_path_factory.mktemp("targets"))
 
 
-def make_successor_target(model):
-    """Make the greedy next token `(current + 1) mod vocab`, whatever the architecture: every attention output and
-    MLP/expert down projection is zeroed (the layers add nothing to the residual stream), the embedding rows are
-    orthonormal and the lm_head maps each row to its successor's."""
-    torch.manual_seed(11)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "o_proj" in name or "down_proj" in name:
-                param.zero_()
-        embedding = model.get_input_embeddings().weight
-        basis = torch.linalg.qr(torch.randn(embedding.shape[1], embedding.shape[1])).Q[:VOCAB]
-        embedding.copy_(basis)
-        model.get_output_embeddings().weight.copy_(torch.roll(basis, 1, dims=0) * 10)
-    return model
-
-
 def greedy(target, prompt, max_new_tokens, eos_token_id, **kwargs):
     ids = torch.tensor([prompt])
     return target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
@@ -104,18 +88,6 @@ def random_drafts(target):
         "dflash": random_dflash(target, num_layers=2, layer_ids=[0, 2]),
         "dspark": random_dspark(target, markov_rank=4, markov_head_type="rnn", layer_ids=[1, NUM_LAYERS - 1]),
     }
-
-
-def oracle_dspark(target, block_size: int, wrong_after=()):
-    """A DSpark draft whose Markov head encodes the successor rule (exact proposals), except after `wrong_after`."""
-    draft = random_dspark(target, markov_rank=VOCAB, confidence=False, block_size=block_size, layer_ids=[1, 2])
-    with torch.no_grad():
-        draft.markov_head.markov_w1.weight.copy_(torch.eye(VOCAB))
-        successor = torch.roll(torch.eye(VOCAB), 1, dims=0)
-        for token in wrong_after:
-            successor[:, token] = torch.roll(successor[:, token], 1)
-        draft.markov_head.markov_w2.weight.copy_(successor * 1000)
-    return draft
 
 
 def decoder_hook_count(target) -> int:
@@ -163,14 +135,14 @@ def test_long_accepted_runs_are_exact(zoo, name):
     """Exact drafts (full blocks accepted) and drafts wrong after some tokens, cut by EOS and max_new_tokens."""
     target = zoo.get(name, successor=True)
     assert greedy(target, [4, 5], 5, None)[0, 2:].tolist() == [6, 7, 8, 9, 10]
-    draft = oracle_dspark(target, block_size=6)
+    draft = oracle_dspark(target, block_size=6, layer_ids=[1, 2])
     out = greedy(target, [4, 5], 1 + 6 * 4, None, assistant_model=draft)
     assert out.tolist() == greedy(target, [4, 5], 1 + 6 * 4, None).tolist()
     assert draft.generation_stats["acceptance_lengths"] == [6] * 4
     cases = [(2, (), 3, 9, [3]), (5, (9,), 7, 23, [1, 4]), (8, (4, 12), 0, 30, [15]), (3, (6,), 13, 17, [2, 5, 8]),
              (7, (), None, 40, [10]), (4, (1, 2, 3), 11, 12, [14, 0])]
     for block_size, wrong_after, eos, max_new, prompt in cases:
-        draft = oracle_dspark(target, block_size=block_size, wrong_after=wrong_after)
+        draft = oracle_dspark(target, block_size=block_size, wrong_after=wrong_after, layer_ids=[1, 2])
         expected = greedy(target, prompt, max_new, eos)
         got = greedy(target, prompt, max_new, eos, assistant_model=draft)
         assert got.tolist() == expected.tolist(), f"{name} block={block_size} wrong_after={wrong_after} eos={eos}"

@@ -52,3 +52,34 @@ def random_dspark(target, seed: int = 0, markov_rank: int = 4, markov_head_type:
                           enable_confidence_head=confidence, sample_from_anchor=sample_from_anchor,
                           **draft_fields(target, **kwargs))
     return DSparkDraftModel(config).eval()
+
+
+def make_successor_target(model, seed: int = 11):
+    """Make the greedy next token `(current + 1) mod vocab`, whatever the architecture: every attention output and
+    MLP/expert down projection is zeroed (the layers add nothing to the residual stream), the embedding rows are
+    orthonormal and the lm_head maps each row to its successor's."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                param.zero_()
+        embedding = model.get_input_embeddings().weight
+        vocab, hidden = embedding.shape
+        basis = torch.linalg.qr(torch.randn(hidden, hidden)).Q[:vocab]
+        embedding.copy_(basis)
+        model.get_output_embeddings().weight.copy_(torch.roll(basis, 1, dims=0) * 10)
+    return model
+
+
+def oracle_dspark(target, block_size: int, wrong_after=(), layer_ids=None) -> DSparkDraftModel:
+    """A DSpark draft whose Markov head encodes the successor rule (it proposes exactly the successor target's greedy
+    tokens), except after the tokens in `wrong_after`, where it proposes a wrong one."""
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    draft = random_dspark(target, markov_rank=vocab, confidence=False, block_size=block_size, layer_ids=layer_ids)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+        successor = torch.roll(torch.eye(vocab), 1, dims=0)
+        for token in wrong_after:
+            successor[:, token] = torch.roll(successor[:, token], 1)
+        draft.markov_head.markov_w2.weight.copy_(successor * 1000)
+    return draft
