@@ -137,14 +137,11 @@ def _sampling_pair():
     target = tiny_target("llama", vocab_size=SAMPLE_VOCAB)
     target.generation_config.eos_token_id = None
     with torch.no_grad():
-        target.lm_head.weight.mul_(60)  # peaked, position-dependent distributions
-    draft = random_dflash(target, block_size=4, seed=5)
-    with torch.no_grad():
-        draft.norm.weight.mul_(3)
-    return target, draft
+        target.lm_head.weight.mul_(10)  # spread but position-dependent distributions (the largest cell holds ~0.3)
+    return target, random_dflash(target, block_size=4, seed=5)
 
 
-SAMPLING = dict(do_sample=True, temperature=0.8, top_k=4, repetition_penalty=1.3)
+SAMPLING = dict(do_sample=True, temperature=0.6, top_k=4, repetition_penalty=1.3)
 
 
 def exact_pair_distribution(target, prompt):
@@ -195,7 +192,7 @@ def chi_square_p_value(counts, probs):
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-RUNS = 1500
+RUNS = 1000
 PROMPT = [1, 3, 2]
 
 
