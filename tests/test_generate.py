@@ -303,18 +303,23 @@ def test_layer_ids_and_mask_outside_the_target_are_refused():
         greedy(target, torch.tensor([[3]]), max_new_tokens=4, assistant_model=draft)
 
 
-def test_hook_is_idempotent_and_leaves_other_assistants_alone():
-    import importlib
-
+def test_hook_is_idempotent_and_leaves_other_assistants_alone(tmp_path):
     from transformers import GenerationMixin
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     import dflash_hf.modeling_dflash as modeling
 
     hooked = GenerationMixin._get_candidate_generator
     modeling.install_generate_hook()
-    importlib.reload(modeling)  # a second copy of the module (as remote code would be) installs nothing new
-    assert GenerationMixin._get_candidate_generator is hooked
     target = tiny_target("llama", vocab_size=SMALL_VOCAB)
+    random_dflash(target).save_pretrained(tmp_path)
+    # A second copy of the module, imported as remote code, installs nothing new and its draft still drafts.
+    remote = get_class_from_dynamic_module("modeling_dflash.DFlashDraftModel", tmp_path).from_pretrained(tmp_path)
+    assert type(remote).__module__.startswith("transformers_modules")
+    assert GenerationMixin._get_candidate_generator is hooked
+    ids = torch.tensor([[3, 4, 5]])
+    assert torch.equal(greedy(target, ids, max_new_tokens=8, assistant_model=remote), greedy(target, ids, max_new_tokens=8))
+    assert remote.generation_stats["draft_forwards"] > 0
     assistant = tiny_target("llama", vocab_size=SMALL_VOCAB, seed=1)
     ids = torch.tensor([[3, 4, 5, 3, 4]])
     expected = greedy(target, ids, max_new_tokens=12)

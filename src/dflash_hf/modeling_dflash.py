@@ -174,6 +174,8 @@ class DFlashContextCache:
     is accepted, and never need rolling back.
     """
 
+    keeps_context_only = True
+
     def __init__(self):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -611,7 +613,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         x = noise_embeds
         for layer, (ctx_k, ctx_v) in zip(self.layers, all_context_kv):
             attn = layer.self_attn
-            if isinstance(cache, DFlashContextCache):
+            if getattr(cache, "keeps_context_only", False):  # duck-typed: the package and remote-code copies mix
                 context_kv = cache.append(attn.layer_idx, ctx_k, ctx_v)
                 block_context_kv = context_kv
             elif cache is not None:
