@@ -183,11 +183,12 @@ def cache_features(target, records: list[dict], layer_ids: list[int], directory:
     return FeatureStore(directory)
 
 
-class OnlineFeatures:
-    """The `FeatureStore` interface computed on demand, for targets whose states are too big to cache."""
+class RecordFeatures:
+    """The `FeatureStore` interface over data records (token ids, loss mask, held-out flag); subclasses say where
+    each sequence's features come from."""
 
-    def __init__(self, target, records: list[dict], layer_ids: list[int]):
-        self.target, self.records, self._layer_ids = target, records, list(layer_ids)
+    def __init__(self, records: list[dict], layer_ids: list[int]):
+        self.records, self._layer_ids = records, list(layer_ids)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -202,13 +203,6 @@ class OnlineFeatures:
     def complete(self) -> bool:
         return True
 
-    def sequence(self, index: int) -> dict:
-        record = self.records[index]
-        tokens = torch.tensor(record["input_ids"], dtype=torch.long)
-        features = target_features(self.target, tokens, self._layer_ids)
-        return {"tokens": tokens, "loss_mask": torch.tensor(record["loss_mask"], dtype=torch.bool),
-                "context": features.context, "final": features.final, "lse": features.lse}
-
     def token_counts(self, vocab_size: int, assistant_only: bool = True, heldout: bool = False) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.long)
         for index in self.split(heldout):
@@ -218,6 +212,21 @@ class OnlineFeatures:
                 tokens = tokens[torch.tensor(record["loss_mask"], dtype=torch.bool)]
             counts += torch.bincount(tokens, minlength=vocab_size)
         return counts
+
+
+class OnlineFeatures(RecordFeatures):
+    """Features computed on demand, for targets whose states are too big to cache."""
+
+    def __init__(self, target, records: list[dict], layer_ids: list[int]):
+        super().__init__(records, layer_ids)
+        self.target = target
+
+    def sequence(self, index: int) -> dict:
+        record = self.records[index]
+        tokens = torch.tensor(record["input_ids"], dtype=torch.long)
+        features = target_features(self.target, tokens, self._layer_ids)
+        return {"tokens": tokens, "loss_mask": torch.tensor(record["loss_mask"], dtype=torch.bool),
+                "context": features.context, "final": features.final, "lse": features.lse}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -247,8 +256,8 @@ def write_feature_shard(directory: Path, shard: int, features: list[TargetFeatur
     return offsets
 
 
-class ShardedFeatures:
-    """The `FeatureStore` interface over records whose features were captured while the target wrote them."""
+class ShardedFeatures(RecordFeatures):
+    """Features captured while the target wrote the records, read back from memory-mapped shards."""
 
     def __init__(self, records: list[dict], directory: Path):
         missing = [r["id"] for r in records if "features" not in r]
@@ -258,22 +267,9 @@ class ShardedFeatures:
         layer_sets = {tuple(r["features"]["layer_ids"]) for r in records}
         if len(layer_sets) != 1:
             raise ValueError(f"Records were captured with different target layers: {sorted(layer_sets)}.")
-        self.records, self.directory = records, Path(directory)
-        self._layer_ids = list(layer_sets.pop())
+        super().__init__(records, list(layer_sets.pop()))
+        self.directory = Path(directory)
         self._shards: dict[int, dict[str, np.ndarray]] = {}
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return self._layer_ids
-
-    def split(self, heldout: bool) -> list[int]:
-        return [i for i, record in enumerate(self.records) if bool(record.get("heldout", False)) == heldout]
-
-    def complete(self) -> bool:
-        return True
 
     def _shard(self, shard: int) -> dict[str, np.ndarray]:
         if shard not in self._shards:
@@ -291,5 +287,3 @@ class ShardedFeatures:
         item["loss_mask"] = torch.tensor(record["loss_mask"], dtype=torch.bool)
         return item
 
-    def token_counts(self, vocab_size: int, assistant_only: bool = True, heldout: bool = False) -> torch.Tensor:
-        return OnlineFeatures.token_counts(self, vocab_size, assistant_only, heldout)
