@@ -244,3 +244,20 @@ def test_borrowed_embeddings_are_the_targets():
     assert torch.equal(draft.embed(torch.tensor([[3]]))[0, 0], target.get_input_embeddings().weight[3])
     assert torch.equal(draft.head_weight(), target.get_output_embeddings().weight)
     assert "lm_head.weight" not in draft.state_dict() and "embed_tokens.weight" not in draft.state_dict()
+
+
+def test_transformers_dflash_cache_gives_the_same_block_states():
+    """Under transformers' own DFlashCache (which stores the block and crops it next step) the draft computes what
+    it computes with its context-only cache."""
+    from transformers.cache_utils import DFlashCache
+
+    model = make_draft(2)
+    context = torch.randn(1, 11, 2 * HT)
+    ours, theirs = DFlashContextCache(), DFlashCache(config=model.config)
+    for chunk, anchor in ((slice(0, 6), 3), (slice(6, 11), 4)):
+        embeds = model.embed(block(anchor, model)[None])
+        expected = model(embeds, context[:, chunk], cache=ours).last_hidden_state
+        if chunk.start:
+            theirs.crop(-model.config.block_size)
+        got = model(embeds, context[:, chunk], cache=theirs).last_hidden_state
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

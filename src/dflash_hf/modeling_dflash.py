@@ -135,12 +135,14 @@ class DFlashAttention(nn.Module):
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
+        block_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x: normed block states [B, b, H]; context_kv: all context K/V; mask: bool [B|1, 1, b, C+b] or None."""
+        """x: normed block states [B, b, H]; context_kv: all context K/V; mask: bool [B|1, 1, b, C+b] or None;
+        block_kv: the block's own K/V when the caller already projected them."""
         batch, length = x.shape[:2]
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        block_k, block_v = self.project_kv(x, cos, sin)
+        block_k, block_v = block_kv if block_kv is not None else self.project_kv(x, cos, sin)
         k = torch.cat([context_kv[0], block_k], dim=2)
         v = torch.cat([context_kv[1], block_v], dim=2)
         out = F.scaled_dot_product_attention(
@@ -157,8 +159,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, context_kv, attention_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask)
+    def forward(self, x, cos, sin, context_kv, attention_mask, block_kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -613,18 +615,20 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         x = noise_embeds
         for layer, (ctx_k, ctx_v) in zip(self.layers, all_context_kv):
             attn = layer.self_attn
+            block_kv = None
             if getattr(cache, "keeps_context_only", False):  # duck-typed: the package and remote-code copies mix
                 context_kv = cache.append(attn.layer_idx, ctx_k, ctx_v)
                 block_context_kv = context_kv
             elif cache is not None:
                 # transformers' DFlashCache stores context and block; it crops the block itself next step.
-                block_k, block_v = attn.project_kv(layer.input_layernorm(x), block_cos, block_sin)
-                keys, values = cache.update(torch.cat([ctx_k, block_k], 2), torch.cat([ctx_v, block_v], 2), attn.layer_idx)
+                block_kv = attn.project_kv(layer.input_layernorm(x), block_cos, block_sin)  # reused by the layer
+                keys, values = cache.update(torch.cat([ctx_k, block_kv[0]], 2), torch.cat([ctx_v, block_kv[1]], 2),
+                                            attn.layer_idx)
                 block_context_kv = (keys[:, :, :-block_len], values[:, :, :-block_len])
             else:
                 block_context_kv = (ctx_k, ctx_v)
             mask = self._block_mask(attn, block_context_kv[0].shape[2], query_pos, attention_mask)
-            x = layer(x, block_cos, block_sin, block_context_kv, mask)
+            x = layer(x, block_cos, block_sin, block_context_kv, mask, block_kv)
         return DFlashDraftOutput(last_hidden_state=self.norm(x))
 
     def _block_mask(self, attn: DFlashAttention, num_context: int, query_pos, attention_mask) -> torch.Tensor | None:
