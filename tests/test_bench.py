@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny import random_dflash, random_dspark, tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash_hf import bench, cli
 
@@ -189,7 +189,7 @@ def tiny_pair(tmp_path_factory):
 def _bench_args(root, *extra):
     return ["bench", "--dataset", str(root / "prompts.jsonl"), "--target", str(root / "target"),
             "--draft", str(root / "dflash"), "--draft", str(root / "dspark"), "--max-new-tokens", "20",
-            "--warmup-tokens", "4", "--no-progress", *extra]
+            "--warmup-tokens", "4", "--no-progress", "--dtype", "float32", *extra]
 
 
 def test_whole_command_on_tiny_models(tiny_pair, tmp_path, capsys):
@@ -202,6 +202,7 @@ def test_whole_command_on_tiny_models(tiny_pair, tmp_path, capsys):
     assert report["settings"]["dataset"]["generations"] == 4  # 3 prompts, one of them two turns
     dflash_note = report["settings"]["models"]["drafts"]["dflash"]
     assert (dflash_note["loaded_dtype"], dflash_note["dtype"]) == ("bfloat16", "float32")  # cast to the target
+    assert report["settings"]["models"]["target_dtype"] == "float32"
     ok = [name for name, p in report["paths"].items() if p["status"] == "ok"]
     expected = PATH_NAMES if ZLAB_INSTALLED else PATH_NAMES[:-1]
     assert ok == expected
@@ -294,3 +295,20 @@ def test_sampling_runs_without_exactness_claim(tiny_pair, tmp_path):
     report = json.loads(out.read_text())
     assert report["exact"] is None and report["settings"]["greedy"] is False
     assert report["paths"]["dflash_hf"]["exact"] is None and report["paths"]["dflash_hf"]["new_tokens"] > 0
+
+
+def test_bfloat16_run_is_exact_with_row_exact_attention(tiny_pair, tmp_path):
+    # The tiny target in bf16 says EOS first; without an EOS it must write every token, so there is something to verify.
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target")
+    target.generation_config.eos_token_id = None
+    target.save_pretrained(tmp_path / "target")
+    AutoTokenizer.from_pretrained(tiny_pair / "target").save_pretrained(tmp_path / "target")
+    out = tmp_path / "r.json"
+    args = _bench_args(tiny_pair, "--dtype", "bfloat16", "--max-samples", "2", "--json", str(out))
+    args[args.index("--target") + 1] = str(tmp_path / "target")
+    assert cli.main(args) == 0
+    report = json.loads(out.read_text())
+    models = report["settings"]["models"]
+    assert (models["target_dtype"], models["target_attention"]) == ("bfloat16", "row_exact")
+    assert report["exact"] is True and models["drafts"]["dspark"]["dtype"] == "bfloat16"
+    assert all(g["paths"]["baseline"]["new_tokens"] == 20 for g in report["generations"])

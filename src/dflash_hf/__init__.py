@@ -1,12 +1,14 @@
 """dflash-hf: block-diffusion speculative decoding (DFlash, DSpark) inside Hugging Face transformers.
 
 Importing the package registers the draft configs and models with `AutoConfig`/`AutoModel` and installs the
-`generate` hook, so `target.generate(**inputs, assistant_model=draft)` drafts blocks.
+`generate` hook, so `target.generate(**inputs, assistant_model=draft)` drafts blocks. It also registers the
+`row_exact` attention (`EXACT_ATTENTION`), which keeps greedy speculative decoding bit-exact in bfloat16.
 """
 
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
+from .exact_attention import EXACT_ATTENTION
 from .formats import export_draft, load_draft
 from .modeling_dflash import (
     DFlashCandidateGenerator,
@@ -42,6 +44,7 @@ __all__ = [
     "DSparkConfig",
     "DSparkDraftModel",
     "DraftProposal",
+    "EXACT_ATTENTION",
     "TargetStateCapture",
     "check_draft_fits_target",
     "check_vocab_mapping",

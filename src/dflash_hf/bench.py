@@ -32,6 +32,8 @@ from typing import Self
 
 import torch
 
+from .defaults import DTYPE_HELP
+
 logger = logging.getLogger(__name__)
 
 SCHEMA_NAME = "dflash-hf-bench"
@@ -729,7 +731,8 @@ def format_table(report: dict) -> str:
                  f" -> {_fmt(machine.get('load_average_1m_end'), '.1f')}")
     lines.append(f"dataset {settings['dataset']['name']}: {settings['dataset']['samples']} prompts, "
                  f"{settings['dataset']['generations']} generations, max_new_tokens {settings['max_new_tokens']}, "
-                 f"temperature {settings['temperature']}; baseline decode step {report['baseline_decode_ms']:.1f} ms")
+                 f"temperature {settings['temperature']}; "
+                 f"baseline decode step {_fmt(report['baseline_decode_ms'], '.1f')} ms")
     header = (f"{'path':<20} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'[q25-q75]':>13} {'decode':>7} {'ideal':>6} "
               f"{'eff':>5} {'verify':>7} {'draft':>6} {'prefill':>7} {'other':>6}")
     lines += [header, "-" * len(header)]
@@ -825,6 +828,7 @@ def add_parser(subparsers) -> None:
                         help="prompt-lookup candidates per step (default: the draft's speculative slots)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--warmup-tokens", type=int, default=WARMUP_NEW_TOKENS)
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write the PNG here")
@@ -836,19 +840,14 @@ def _draft_kind(draft) -> str:
     return "dspark" if type(draft).__name__ == "DSparkDraftModel" else "dflash"
 
 
-def load_models(target_id: str | None, draft_ids: list[str] | None, kind: str):
+def load_models(target_id: str | None, draft_ids: list[str] | None, kind: str, dtype: str = "auto"):
     """(target, tokenizer, {kind: draft}, models note for the JSON)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .defaults import SMOLLM2_GGUF, load_default_draft, load_target
 
-    from .defaults import SMOLLM2_GGUF, load_default_draft, load_default_target
-
-    if target_id is None:
-        target, tokenizer = load_default_target()
-        models = {"target": f"embedded SmolLM2-135M-Instruct ({SMOLLM2_GGUF}, fp32)", "drafts": {}}
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(target_id)
-        target = AutoModelForCausalLM.from_pretrained(target_id, dtype=torch.float32).eval()
-        models = {"target": target_id, "drafts": {}}
+    target, tokenizer = load_target(target_id, dtype)
+    name = f"embedded SmolLM2-135M-Instruct ({SMOLLM2_GGUF})" if target_id is None else target_id
+    models = {"target": name, "target_dtype": str(target.dtype).removeprefix("torch."),
+              "target_attention": target.config._attn_implementation, "drafts": {}}
     drafts = {}
     if draft_ids:
         for draft_id in draft_ids:
@@ -890,7 +889,7 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     samples = select_samples(all_samples, args.max_samples)
-    target, tokenizer, drafts, models = load_models(args.target, args.draft, args.kind)
+    target, tokenizer, drafts, models = load_models(args.target, args.draft, args.kind, args.dtype)
     if args.block_size is not None:
         for draft in drafts.values():
             draft.config.block_size = args.block_size

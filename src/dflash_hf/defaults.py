@@ -29,14 +29,48 @@ def smollm2_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def load_default_target(dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) of SmolLM2-135M-Instruct, de-quantized from the packaged GGUF."""
+DTYPE_HELP = "auto (the fastest that keeps greedy output exact: bfloat16 on AMX CPUs, else float32), float32, bfloat16"
+
+
+def resolve_dtype(dtype: "str | torch.dtype" = "auto", device: str = "cpu") -> torch.dtype:
+    """`auto`: the fastest dtype in which greedy speculative output stays bit-identical to the target's own.
+
+    That is bfloat16 on CPUs with AMX (oneDNN's bf16 matmuls give a row the same bits whatever the row count, and
+    `exact_attention` does the rest) and float32 elsewhere: GPU bf16 matmuls pick kernels by shape, so a verify block
+    and a decode step round differently and greedy texts can part on near-ties. Ask for bfloat16 there to trade that
+    for speed.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype: unknown {dtype!r}; use auto, float32, bfloat16 or float16.")
+        return resolved
+    if str(device).startswith("cpu") and torch.cpu._is_amx_tile_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_target(name: str | None = None, dtype: "str | torch.dtype" = "auto", device: str = "cpu"):
+    """(model, tokenizer): the embedded SmolLM2-135M-Instruct (`name` None) or a Hub id / folder.
+
+    In reduced precision the target gets row-exact attention (see `exact_attention`) so that greedy speculative
+    decoding stays token-for-token identical to the target alone; float32 keeps transformers' SDPA.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = smollm2_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype).eval()
-    return model, tokenizer
+    from .exact_attention import EXACT_ATTENTION
+
+    dtype = resolve_dtype(dtype, device)
+    attn = EXACT_ATTENTION if dtype != torch.float32 else None
+    if name is None:
+        folder, extra = smollm2_dir(), {"gguf_file": SMOLLM2_GGUF}
+    else:
+        folder, extra = name, {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **extra)
+    return model.to(device).eval(), tokenizer
 
 
 def random_draft_for(target, kind: str = "dflash", block_size: int = 8, seed: int = 0):
@@ -68,7 +102,7 @@ def random_draft_for(target, kind: str = "dflash", block_size: int = 8, seed: in
 def load_default_draft(target, kind: str = "dflash"):
     """(draft, is_trained): the shipped trained draft when present, else a random one.
 
-    Shipped drafts are stored in bf16 but run in the target's dtype: bf16 matmuls are slow on most CPUs.
+    Shipped drafts are stored in bf16 but run in the target's dtype (bf16 matmuls are slow on CPUs without AMX).
     """
     from transformers import AutoModel
 

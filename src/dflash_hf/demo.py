@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from .defaults import DTYPE_HELP
+
 logger = logging.getLogger(__name__)
 
 try:  # ZeroGPU Spaces hand out a GPU per call through this decorator; elsewhere generation runs where the models are.
@@ -29,9 +31,9 @@ except ImportError:
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 DEFAULT_MAX_NEW_TOKENS = 96
-# float32 by default: in half precision a block verify and a one-token decode round differently, so greedy texts
-# can part ways on near-ties; the demo's point is that they do not.
-DEFAULT_DTYPE = "float32"
+# auto: bfloat16 on AMX CPUs (fast there, and kept exact), float32 elsewhere. In half precision the target gets
+# row-exact attention (`exact_attention`) so a block verify rounds like a one-token decode and the texts stay identical.
+DEFAULT_DTYPE = "auto"
 MAX_NEW_TOKENS_LIMIT = 512
 BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 16
 # Tokens decoded before the new one when turning ids into text pieces: enough context for byte-level BPE and
@@ -190,18 +192,12 @@ class DemoModels:
     @classmethod
     def load(cls, target: str | None = None, drafts: list[str] | tuple = (), device: str | None = None,
              dtype: str = DEFAULT_DTYPE):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .defaults import load_default_draft, load_default_target, random_draft_for
+        from .defaults import load_default_draft, load_target, random_draft_for
         from .formats import load_draft
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, dtype)
-        if target is None:
-            target_model, tokenizer = load_default_target(dtype)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(target)
-            target_model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+        target_model, tokenizer = load_target(target, dtype, device)
+        dtype = target_model.dtype
         loaded, notes = {}, {}
         for draft_id in drafts:
             draft = load_draft(draft_id).eval()
@@ -219,7 +215,6 @@ class DemoModels:
                 notes[kind] = (f"embedded trained {kind} draft" if trained else
                                f"**randomly initialised** {kind} draft (no trained one for this target): expect "
                                "tau near 1 and a slow-down; the output is still the target's own")
-        target_model.to(device)
         for kind in loaded:
             loaded[kind] = loaded[kind].to(device=device, dtype=dtype)
         return cls(target_model, tokenizer, loaded, notes)
@@ -322,8 +317,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft", action="append", default=[],
                         help="draft id or folder; repeat to offer both a DFlash and a DSpark draft")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=("float32", "bfloat16", "float16"),
-                        help="model precision (half precision can break bit-exactness on near-ties)")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, help=DTYPE_HELP)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=7860)
     parser.set_defaults(func=run)

@@ -4,6 +4,8 @@ import time
 
 import torch
 
+from .defaults import DTYPE_HELP
+
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 ROUNDS = 2
 
@@ -16,24 +18,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kind", choices=("dflash", "dspark"), default="dspark", help="embedded draft to use")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
+    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.set_defaults(func=run)
 
 
-def load_pair(target_id, draft_id, kind):
+def load_pair(target_id, draft_id, kind, dtype="auto"):
     """(target, tokenizer, draft, draft_note) for the CLI: the embedded defaults unless ids are given."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .defaults import load_default_draft, load_target
 
-    from .defaults import load_default_draft, load_default_target
-
-    if target_id is None:
-        target, tokenizer = load_default_target()
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(target_id)
-        target = AutoModelForCausalLM.from_pretrained(target_id, dtype=torch.float32).eval()
+    target, tokenizer = load_target(target_id, dtype)
     if draft_id is not None:
         from .formats import load_draft
 
-        return target, tokenizer, load_draft(draft_id).eval(), f"draft {draft_id}"
+        return target, tokenizer, load_draft(draft_id, dtype=target.dtype).eval(), f"draft {draft_id}"
     draft, trained = load_default_draft(target, kind)
     note = f"embedded trained {kind} draft" if trained else (
         f"RANDOMLY INITIALISED {kind} draft (no trained draft shipped yet): expect tau ~ 1 and no speed-up"
@@ -42,7 +39,7 @@ def load_pair(target_id, draft_id, kind):
 
 
 def run(args) -> int:
-    target, tokenizer, draft, note = load_pair(args.target, args.draft, args.kind)
+    target, tokenizer, draft, note = load_pair(args.target, args.draft, args.kind, args.dtype)
     if args.block_size is not None:
         draft.config.block_size = args.block_size
     messages = [{"role": "user", "content": args.prompt}]
@@ -63,7 +60,8 @@ def run(args) -> int:
     stats = draft.generation_stats
     identical = torch.equal(plain, spec)
     new_tokens = spec.shape[1] - prompt_len
-    print(f"draft: {note}")
+    print(f"draft: {note}; target in {str(target.dtype).removeprefix('torch.')} "
+          f"({target.config._attn_implementation} attention)")
     print(f"prompt: {args.prompt}\n--- speculative output ---\n{text}\n---")
     print(f"identical to the target's own greedy output: {identical}")
     print(f"tokens: {new_tokens}  tau (mean tokens per target forward): {stats['mean_acceptance_length']:.2f}")

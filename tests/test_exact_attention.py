@@ -1,0 +1,117 @@
+"""Row-exact attention: in bfloat16 a verify block must score its tokens with the bits of one-token decodes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import random_dspark
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_hf.exact_attention import EXACT_ATTENTION, MAX_EXACT_ROWS, visible_key_counts
+
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
+def test_visible_key_counts_reads_causal_masks_and_refuses_the_rest():
+    q_len, kv_len = 3, 7
+    assert visible_key_counts(None, q_len, kv_len) == [5, 6, 7]
+    causal = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    assert visible_key_counts(causal[None, None], q_len, kv_len) == [5, 6, 7]
+    additive = torch.zeros(q_len, kv_len).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert visible_key_counts(additive[None, None], q_len, kv_len) == [5, 6, 7]
+    padded = causal.clone()
+    padded[:, 0] = False  # a left pad: the visible keys no longer start at 0
+    assert visible_key_counts(padded[None, None], q_len, kv_len) is None
+    window = causal.clone()
+    window[2, 1] = False  # a sliding window
+    assert visible_key_counts(window[None, None], q_len, kv_len) is None
+    assert visible_key_counts(causal[None, None].expand(2, 1, -1, -1), q_len, kv_len) is None  # batch of two
+
+
+def bf16_target(family: str, attention: str):
+    """A small random target with 64-wide heads (as real models have: with narrower ones SDPA happens to round a block
+    like single rows, and the negative control below would have nothing to show)."""
+    torch.manual_seed(0)
+    fields = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    config_class, model_class = FAMILIES[family]
+    target = model_class(config_class(**fields)).to(torch.bfloat16).eval()
+    target.set_attn_implementation(attention)
+    return target
+
+
+def matmuls_are_row_invariant(target) -> bool:
+    """Whether this machine's bf16 matmuls give a row the same bits whatever the row count (true with oneDNN on AMX;
+    without it no attention can make a block verify exact, so the end-to-end checks below would test the platform)."""
+    weight = target.lm_head.weight
+    rows = torch.randn(MAX_EXACT_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    full = F.linear(rows, weight)
+    return all(torch.equal(F.linear(rows[i : i + 1], weight)[0], full[i]) for i in range(len(rows)))
+
+
+def block_and_stepwise_logits(target, ids: torch.Tensor, prefix: int):
+    """Logits of ids[prefix:] scored as one block after a prefill, and one token at a time after the same prefill."""
+    assert ids.shape[1] - prefix <= MAX_EXACT_ROWS
+    with torch.no_grad():
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :prefix], past_key_values=cache)
+        block = target(ids[:, prefix:], past_key_values=cache).logits[0]
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :prefix], past_key_values=cache)
+        steps = [target(ids[:, i : i + 1], past_key_values=cache).logits[0, 0] for i in range(prefix, ids.shape[1])]
+    return block, torch.stack(steps)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_block_verify_has_the_bits_of_one_token_decodes(family):
+    target = bf16_target(family, EXACT_ATTENTION)
+    if not matmuls_are_row_invariant(target):
+        pytest.skip("this machine's bf16 matmuls depend on the row count (no AMX/oneDNN path)")
+    ids = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(1))
+    differing_with_sdpa = 0
+    for prefix, block_size in ((20, 9), (57, 2), (100, 16), (111, 9)):
+        block, steps = block_and_stepwise_logits(target, ids[:, : prefix + block_size], prefix)
+        assert torch.equal(block, steps), f"prefix {prefix}: {(block != steps).any(-1).sum()} rows differ"
+        target.set_attn_implementation("sdpa")
+        block, steps = block_and_stepwise_logits(target, ids[:, : prefix + block_size], prefix)
+        differing_with_sdpa += int((block != steps).any(-1).sum())
+        target.set_attn_implementation(EXACT_ATTENTION)
+    # The negative control: plain SDPA does round a block differently, which is what this attention is for.
+    assert differing_with_sdpa > 0
+
+
+def test_prefill_and_padding_take_the_fused_path():
+    target = bf16_target("llama", EXACT_ATTENTION)
+    reference = bf16_target("llama", "sdpa")
+    ids = torch.randint(3, 90, (2, MAX_EXACT_ROWS + 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in a batch of two
+    with torch.no_grad():
+        for batch_ids, batch_mask in ((ids[:1], None), (ids, mask), (ids[:1, :5], None)):
+            kwargs = {} if batch_mask is None else {"attention_mask": batch_mask}
+            got = target(batch_ids, **kwargs).logits
+            want = reference(batch_ids, **kwargs).logits
+            if batch_ids.shape[1] > MAX_EXACT_ROWS or batch_mask is not None:
+                assert torch.equal(got, want)  # the very same SDPA call
+            else:
+                assert torch.allclose(got.float(), want.float(), atol=0.1)  # one row at a time: same math
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_speculative_greedy_equals_the_target_alone(family):
+    target = bf16_target(family, EXACT_ATTENTION)
+    if not matmuls_are_row_invariant(target):
+        pytest.skip("this machine's bf16 matmuls depend on the row count (no AMX/oneDNN path)")
+    draft = random_dspark(target, block_size=6).to(torch.bfloat16)
+    mismatches = {}
+    for attention in (EXACT_ATTENTION, "sdpa"):
+        target.set_attn_implementation(attention)
+        generator = torch.Generator().manual_seed(3)
+        mismatches[attention] = 0
+        for length in (3, 17, 40, 5, 9, 33):
+            ids = torch.randint(3, 90, (1, length), generator=generator)
+            alone = target.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=None)
+            assisted = target.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=None,
+                                       assistant_model=draft)
+            mismatches[attention] += assisted.tolist() != alone.tolist()
+    assert mismatches[EXACT_ATTENTION] == 0
+    assert mismatches["sdpa"] > 0  # the negative control: bf16 SDPA does part ways on near-ties
