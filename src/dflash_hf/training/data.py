@@ -43,7 +43,13 @@ PROMPT_WRITING_INSTRUCTION = (
     "Write only the question, ending with a question mark."
 )
 WRITTEN_PROMPT_PREFIXES = ("Question:", "Q:", "Example:")
-CODE_TASK_TEMPLATE = "Write a Python function `{name}{signature}` that does the following:\n\n{doc}"
+# Two ways users ask for code: a description to implement, and a stub (signature and docstring) to complete; answers
+# to the second repeat the stub, which is what a draft must learn to copy.
+CODE_TASK_TEMPLATES = {
+    "describe": "Write a Python function `{name}{signature}` that does the following:\n\n{doc}",
+    "stub": "Implement the function below and answer with all of it in a Python code block.\n\n```python\n"
+            "def {name}{signature}:\n    \"\"\"{indented_doc}\n    \"\"\"\n```",
+}
 HELDOUT_BUCKETS = 10_000  # resolution of the held-out fraction
 STDLIB_MODULES = (
     "string", "textwrap", "itertools", "functools", "collections", "heapq", "bisect", "statistics", "math", "json",
@@ -52,7 +58,9 @@ STDLIB_MODULES = (
     "tempfile", "unicodedata", "posixpath", "quopri", "binascii", "gzip", "types", "inspect", "contextlib",
     "dataclasses", "graphlib", "locale", "mimetypes", "platform", "sysconfig", "tokenize", "traceback", "warnings",
     "email.utils", "wsgiref.util", "zipfile", "configparser", "ast", "cmath", "filecmp", "fileinput", "getopt",
-    "gettext", "hmac",
+    "gettext", "hmac", "pathlib", "argparse", "logging", "ipaddress", "decimal", "enum", "queue", "threading", "uuid",
+    "email.message", "xml.etree.ElementTree", "tarfile", "codecs", "optparse", "sched", "string.templatelib",
+    "http.cookiejar", "urllib.request", "zoneinfo", "numbers", "reprlib", "dis", "pickle", "plistlib", "netrc",
 )
 
 
@@ -123,19 +131,29 @@ def is_heldout(record_id: str, fraction: float) -> bool:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _documented_callables(module):
+    """(qualified name, callable) for the module's public functions and its public classes' public methods."""
+    for name, obj in sorted(vars(module).items()):
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue  # private, or re-exported from elsewhere (counted where it is defined)
+        if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            yield name, obj
+        elif inspect.isclass(obj):
+            for method_name, method in sorted(vars(obj).items()):
+                if not method_name.startswith("_") and inspect.isfunction(method):
+                    yield f"{name}.{method_name}", method
+
+
 def stdlib_code_prompts(config: DataConfig) -> list[dict]:
-    """Code tasks from standard-library docstrings: a real, offline, licence-clean description of a function."""
+    """Code tasks from standard-library docstrings, in every `CODE_TASK_TEMPLATES` style: real, offline,
+    licence-clean descriptions of functions."""
     candidates = []
     for module_name in config.stdlib_modules:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
-                continue
-            if getattr(obj, "__module__", None) != module.__name__:
-                continue  # re-exported from elsewhere; counted where it is defined
+        for qualname, obj in _documented_callables(module):
             doc = inspect.getdoc(obj) or ""
             if len(doc) < config.min_doc_chars:
                 continue
@@ -144,9 +162,12 @@ def stdlib_code_prompts(config: DataConfig) -> list[dict]:
             except (TypeError, ValueError):
                 signature = "(...)"
             doc = doc[: config.max_doc_chars]
-            prompt = CODE_TASK_TEMPLATE.format(name=name, signature=signature, doc=doc)
-            record_id = f"stdlib-{module.__name__}.{name}"
-            candidates.append({"id": record_id, "source": "stdlib-docstring", "prompt": prompt})
+            fields = {"name": qualname.rsplit(".", 1)[-1], "signature": signature, "doc": doc,
+                      "indented_doc": doc.replace("\n", "\n    ")}
+            for style, template in CODE_TASK_TEMPLATES.items():
+                record_id = f"stdlib-{module.__name__}.{qualname}" + ("" if style == "describe" else f":{style}")
+                candidates.append({"id": record_id, "source": f"stdlib-docstring:{style}",
+                                   "prompt": template.format(**fields)})
     random.Random(config.seed).shuffle(candidates)
     unique = {}
     for candidate in candidates:  # a module listed under two names (os.path, posixpath) yields the same functions
@@ -344,5 +365,5 @@ def build_dataset(target, tokenizer, config: DataConfig, data_dir: Path,
     if config.num_topic_prompts:
         prompts = prompts + write_topic_prompts(target, tokenizer, config, data_dir / "prompts_topics.jsonl")
     logger.info("%d prompts (%d code tasks from stdlib docstrings)", len(prompts),
-                sum(p["source"] == "stdlib-docstring" for p in prompts))
+                sum(p["source"].startswith("stdlib-docstring") for p in prompts))
     return write_responses(target, tokenizer, prompts, config, data_dir / "responses.jsonl", capture_layers)
