@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from tiny import random_dspark
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_hf.exact_attention import EXACT_ATTENTION, MAX_EXACT_ROWS, visible_key_counts
+from dflash_hf.exact_attention import EXACT_ATTENTION, visible_key_counts
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
@@ -43,14 +43,13 @@ def matmuls_are_row_invariant(target) -> bool:
     """Whether this machine's bf16 matmuls give a row the same bits whatever the row count (true with oneDNN on AMX;
     without it no attention can make a block verify exact, so the end-to-end checks below would test the platform)."""
     weight = target.lm_head.weight
-    rows = torch.randn(MAX_EXACT_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    rows = torch.randn(32, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     full = F.linear(rows, weight)
     return all(torch.equal(F.linear(rows[i : i + 1], weight)[0], full[i]) for i in range(len(rows)))
 
 
 def block_and_stepwise_logits(target, ids: torch.Tensor, prefix: int):
     """Logits of ids[prefix:] scored as one block after a prefill, and one token at a time after the same prefill."""
-    assert ids.shape[1] - prefix <= MAX_EXACT_ROWS
     with torch.no_grad():
         cache = DynamicCache(config=target.config)
         target(ids[:, :prefix], past_key_values=cache)
@@ -79,21 +78,36 @@ def test_block_verify_has_the_bits_of_one_token_decodes(family):
     assert differing_with_sdpa > 0
 
 
-def test_prefill_and_padding_take_the_fused_path():
+def test_prompt_rows_do_not_depend_on_what_follows():
+    """Prompt lookup's first forward is the prompt plus candidates: its prompt rows must match a plain prefill's."""
+    target = bf16_target("llama", EXACT_ATTENTION)
+    if not matmuls_are_row_invariant(target):
+        pytest.skip("this machine's bf16 matmuls depend on the row count (no AMX/oneDNN path)")
+    ids = torch.randint(3, 90, (1, 160), generator=torch.Generator().manual_seed(4))
+    differing_with_sdpa = 0
+    with torch.no_grad():
+        for prompt, extra in ((40, 3), (97, 7), (150, 10)):
+            for attention in (EXACT_ATTENTION, "sdpa"):
+                target.set_attn_implementation(attention)
+                alone = target(ids[:, :prompt]).logits[0]
+                followed = target(ids[:, : prompt + extra]).logits[0, :prompt]
+                if attention == EXACT_ATTENTION:
+                    assert torch.equal(alone, followed), f"prompt {prompt} + {extra}"
+                else:
+                    differing_with_sdpa += int((alone != followed).any(-1).sum())
+    assert differing_with_sdpa > 0  # the negative control
+
+
+def test_padding_takes_the_fused_path():
     target = bf16_target("llama", EXACT_ATTENTION)
     reference = bf16_target("llama", "sdpa")
-    ids = torch.randint(3, 90, (2, MAX_EXACT_ROWS + 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding in a batch of two
     with torch.no_grad():
-        for batch_ids, batch_mask in ((ids[:1], None), (ids, mask), (ids[:1, :5], None)):
-            kwargs = {} if batch_mask is None else {"attention_mask": batch_mask}
-            got = target(batch_ids, **kwargs).logits
-            want = reference(batch_ids, **kwargs).logits
-            if batch_ids.shape[1] > MAX_EXACT_ROWS or batch_mask is not None:
-                assert torch.equal(got, want)  # the very same SDPA call
-            else:
-                assert torch.allclose(got.float(), want.float(), atol=0.1)  # one row at a time: same math
+        got = target(ids, attention_mask=mask).logits
+        want = reference(ids, attention_mask=mask).logits
+    assert torch.equal(got, want)  # the very same SDPA call
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

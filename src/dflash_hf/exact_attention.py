@@ -1,16 +1,18 @@
-"""Row-exact attention: a verify block scores each of its tokens with the arithmetic of a one-token decode.
+"""Row-exact attention: every query row gets the bits a one-token decode would give it.
 
 Greedy speculative decoding reproduces the target's own output only if the target scores a block of drafted tokens
 exactly as it would score them one at a time. In float32 the two disagree by ~1e-7 and a near-tie almost never
 flips; in bfloat16 every op rounds to 8 mantissa bits and flips are common (3 in 10 HumanEval answers with SmolLM2).
 On CPUs with AMX, oneDNN's bf16 matmuls already give each row the same bits whatever the row count, so attention
-(whose reduction over keys changes with the query count and the mask) is the one op left. Here each query row of a
-short block attends, unmasked, to exactly the keys it may see, which is the very call a one-token decode makes.
+(whose reduction over keys changes with the query count, the key count and the mask) is the one op left. Here each
+query row attends, unmasked, to exactly the keys it may see, which is the very call a one-token decode makes.
+Prefills go row by row too: an assisted first forward may carry the prompt *and* candidates (prompt lookup does), and
+its prompt rows must match a plain prefill's. That costs one SDPA call per row and layer (a 170-token prefill of
+SmolLM2 on one CPU thread: 340 ms instead of 163).
 
 Use it by loading the target with `attn_implementation=EXACT_ATTENTION` (after `import dflash_hf`) or calling
-`target.set_attn_implementation(EXACT_ATTENTION)`. Anything it cannot make exact (a query longer than
-`MAX_EXACT_ROWS`, batches above one, masks that are not a causal prefix, e.g. padding or sliding windows) goes through
-transformers' SDPA unchanged, which is where prefill belongs anyway: no decode is ever compared against it.
+`target.set_attn_implementation(EXACT_ATTENTION)`. What it cannot make exact (batches above one, masks that are not
+a causal prefix such as padding or sliding windows, position biases) goes through transformers' SDPA unchanged.
 """
 
 import torch
@@ -19,7 +21,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 EXACT_ATTENTION = "row_exact"  # no "flash" or "sdpa" in it: transformers reads meaning into those
-MAX_EXACT_ROWS = 32  # a verify block; longer queries are prefills
 
 
 def visible_key_counts(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[int] | None:
@@ -38,10 +39,10 @@ def visible_key_counts(attention_mask: torch.Tensor | None, q_len: int, kv_len: 
 
 
 def row_exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA, but a short block runs one query row at a time over its own visible keys (see the module docstring)."""
+    """SDPA, one query row at a time over its own visible keys (see the module docstring)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     counts = None
-    if 1 < q_len <= MAX_EXACT_ROWS and query.shape[0] == 1 and kwargs.get("position_bias") is None:
+    if q_len > 1 and query.shape[0] == 1 and kwargs.get("position_bias") is None:
         counts = visible_key_counts(attention_mask, q_len, kv_len)
     if counts is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
