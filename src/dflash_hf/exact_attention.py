@@ -3,12 +3,14 @@
 Greedy speculative decoding reproduces the target's own output only if the target scores a block of drafted tokens
 exactly as it would score them one at a time. In float32 the two disagree by ~1e-7 and a near-tie almost never
 flips; in bfloat16 every op rounds to 8 mantissa bits and flips are common (3 in 10 HumanEval answers with SmolLM2).
-On CPUs with AMX, oneDNN's bf16 matmuls already give each row the same bits whatever the row count, so attention
-(whose reduction over keys changes with the query count, the key count and the mask) is the one op left. Here each
-query row attends, unmasked, to exactly the keys it may see, which is the very call a one-token decode makes.
-Prefills go row by row too: an assisted first forward may carry the prompt *and* candidates (prompt lookup does), and
-its prompt rows must match a plain prefill's. That costs one SDPA call per row and layer (a 170-token prefill of
-SmolLM2 on one CPU thread: 340 ms instead of 163).
+On CPUs with AMX, oneDNN's bf16 matmuls give a row the same bits whatever the row count, up to about 32 rows (a
+verify block; measured on SmolLM2's shapes, beyond that some shapes change kernels), so attention, whose reduction
+over keys changes with the query count, the key count and the mask, is the one op left. Here each query row attends,
+unmasked, to exactly the keys it may see, which is the very call a one-token decode makes. Prefills go row by row
+too (one SDPA call per row and layer: a 170-token SmolLM2 prefill on one CPU thread takes 340 ms instead of 163), so
+a prompt's rows get the same attention whatever follows them; their matmuls still may not, which is why a generator
+whose first forward carries the prompt *and* candidates (prompt lookup) is not guaranteed exact in bf16, while ours,
+which prefills the prompt alone, is.
 
 Use it by loading the target with `attn_implementation=EXACT_ATTENTION` (after `import dflash_hf`) or calling
 `target.set_attn_implementation(EXACT_ATTENTION)`. What it cannot make exact (batches above one, masks that are not
