@@ -129,3 +129,13 @@ def test_bf16_speculative_greedy_equals_the_target_alone(family):
             mismatches[attention] += assisted.tolist() != alone.tolist()
     assert mismatches[EXACT_ATTENTION] == 0
     assert mismatches["sdpa"] > 0  # the negative control: bf16 SDPA does part ways on near-ties
+
+
+def test_dtype_choice_is_exact_first():
+    from dflash_hf.defaults import resolve_dtype
+
+    assert resolve_dtype("auto", "cuda") == torch.float32  # GPU bf16 matmuls are shape-dependent: not exact
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32)
+    assert resolve_dtype("float16") == torch.float16 and resolve_dtype(torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype: unknown 'fp33'"):
+        resolve_dtype("fp33")

@@ -35,8 +35,8 @@ DTYPE_HELP = "auto (the fastest that keeps greedy output exact: bfloat16 on AMX 
 def resolve_dtype(dtype: "str | torch.dtype" = "auto", device: str = "cpu") -> torch.dtype:
     """`auto`: the fastest dtype in which greedy speculative output stays bit-identical to the target's own.
 
-    That is bfloat16 on CPUs with AMX (oneDNN's bf16 matmuls give a row the same bits whatever the row count, and
-    `exact_attention` does the rest) and float32 elsewhere: GPU bf16 matmuls pick kernels by shape, so a verify block
+    That is bfloat16 on CPUs with AMX (oneDNN's bf16 matmuls give a row the same bits whatever the row count, up to a
+    verify block's ~32 rows, and `exact_attention` does the rest) and float32 elsewhere: GPU bf16 matmuls pick kernels by shape, so a verify block
     and a decode step round differently and greedy texts can part on near-ties. Ask for bfloat16 there to trade that
     for speed.
     """
@@ -47,7 +47,8 @@ def resolve_dtype(dtype: "str | torch.dtype" = "auto", device: str = "cpu") -> t
         if not isinstance(resolved, torch.dtype):
             raise ValueError(f"dtype: unknown {dtype!r}; use auto, float32, bfloat16 or float16.")
         return resolved
-    if str(device).startswith("cpu") and torch.cpu._is_amx_tile_supported():
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # private, so looked up defensively
+    if str(device).startswith("cpu") and has_amx():
         return torch.bfloat16
     return torch.float32
 
