@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .data import DataConfig, build_dataset
+from .data import DataConfig, build_dataset, eos_ids
 from .features import OnlineFeatures, ShardedFeatures, cache_features
 from .trainer import DraftSpec, TrainConfig, balance_fc_init, build_draft, draft_config_for, heldout_tau, train_loop
 from .vocab import build_vocab_mapping, coverage
@@ -72,14 +72,6 @@ def load_target(name: str, dtype: "str | torch.dtype" = "auto"):
     return load(None if name == EMBEDDED_TARGET else name, dtype)
 
 
-def _eos_ids(target, tokenizer) -> list[int]:
-    eos = target.generation_config.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos]
-    if tokenizer.eos_token_id is not None:
-        ids = [*ids, tokenizer.eos_token_id]
-    return sorted({int(i) for i in ids if i is not None})
-
-
 def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spec: DraftSpec, train: TrainConfig,
                 work_dir: Path, online_features: bool = False, save_dtype: torch.dtype = torch.bfloat16,
                 command: str | None = None, target=None, tokenizer=None) -> dict:
@@ -106,7 +98,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     mapping, vocab_coverage = None, None
     if spec.kind == "dspark" and spec.draft_vocab_size and spec.draft_vocab_size < vocab_size:
         counts = store.token_counts(vocab_size)
-        mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=_eos_ids(target, tokenizer))
+        mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=eos_ids(tokenizer, target))
         vocab_coverage = coverage(counts, mapping[1])
         logger.info("Draft vocabulary: %d ids cover %.4f of the assistant tokens", spec.draft_vocab_size,
                     vocab_coverage)

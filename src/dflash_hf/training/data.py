@@ -204,7 +204,8 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def _eos_ids(tokenizer, target) -> set[int]:
+def eos_ids(tokenizer, target) -> set[int]:
+    """Every id that ends an answer: the generation config's EOS ids and the tokenizer's."""
     eos = target.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
     ids = {int(e) for e in eos if e is not None}
@@ -240,7 +241,7 @@ def batched_chat_generate(target, tokenizer, prompts: list[str], max_new_tokens:
     finally:
         if handle is not None:
             handle.remove()
-    eos = _eos_ids(tokenizer, target)
+    eos = eos_ids(tokenizer, target)
     padded = input_ids.shape[1]
     if capture:
         # Step s saw padded position padded-1+s: states of every position but the last generated one.
