@@ -25,6 +25,7 @@ from dflash_hf.training.trainer import (
     block_slot_outputs,
     build_draft,
     collate,
+    fit_steps,
     heldout_tau,
     sample_anchors,
     step_batch,
@@ -280,6 +281,27 @@ def test_resume_after_kill_continues_identically(toy, tmp_path, kind):
         assert torch.equal(value, resumed.state_dict()[name]), name
         changed |= not torch.equal(value, initial[name])
     assert changed
+
+
+def test_fit_steps_fills_the_budget_within_bounds():
+    # 20 steps took 10 s: 0.5 s each, so 60 s leave 100 more.
+    assert fit_steps(20, 10.0, 20, 1.0, 10_000) == 120
+    assert fit_steps(20, 10.0, 20, 1.0, 50) == 50  # never beyond max_steps
+    assert fit_steps(20, 90.0, 20, 1.0, 10_000) == 20  # already over: stop now, never below the steps done
+
+
+def test_time_budget_ends_the_run_with_the_learning_rate_at_its_floor(toy, tmp_path):
+    target, records = toy
+    store = cache_features(target, records, LAYERS, tmp_path / "features")
+    draft = build_draft(target, toy_spec(), seed=0)
+    # A budget spent before the probe ends: the run stops at the probe and the schedule has decayed anyway.
+    config = TrainConfig(max_steps=100_000, max_minutes=1e-6, eval_every=0, checkpoint_every=1000,
+                         sequences_per_step=2, anchors_per_sequence=4, min_lr_ratio=0.1, learning_rate=1e-3)
+    seen = []
+    last = train_loop(draft, store, config, tmp_path / "run", step_callback=lambda step, m: seen.append(m["lr"]))
+    assert last["step"] == len(seen) == 20
+    assert last["lr"] == pytest.approx(1e-4)
+    assert seen[0] < seen[-2] < 1e-4  # warming up towards max_steps until the budget cut the schedule
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])

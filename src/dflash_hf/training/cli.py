@@ -64,12 +64,23 @@ PRESETS = {
 }
 
 
-def load_target(name: str, dtype: "str | torch.dtype" = "auto"):
+def load_target(name: str, dtype: "str | torch.dtype" = "auto", device: str = "cpu"):
     """(model, tokenizer): the embedded SmolLM2 (GGUF, offline) or any Hub id / folder, in `dtype` (`auto`: bfloat16
     where the hardware has fast bf16 matmuls). Train on the dtype you will serve in: the draft learns its states."""
     from ..defaults import load_target as load
 
-    return load(None if name == EMBEDDED_TARGET else name, dtype)
+    return load(None if name == EMBEDDED_TARGET else name, dtype, device)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hardware(device: torch.device) -> str:
+    """Where training ran, in words, for the summary and the model card."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{torch.get_num_threads()} CPU thread(s)"
 
 
 def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spec: DraftSpec, train: TrainConfig,
@@ -121,6 +132,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         "heldout": heldout,
         "layer_ids": list(layer_ids),
         "minutes": round((time.time() - started) / 60, 1),
+        "hardware": hardware(target.device),
+        "steps_run": last.get("step"),
         "data": asdict(data),
         "draft": asdict(spec),
         "train": asdict(train),
@@ -144,6 +157,7 @@ def model_card(summary: dict, evaluation: str = "") -> str:
     `evaluation` is extra markdown (e.g. tau on evaluation prompts, measured after training)."""
     kind, heldout, data, spec = summary["kind"], summary["heldout"], summary["data"], summary["draft"]
     train, last = summary["train"], summary["final_train_metrics"]
+    precision = "bf16 mixed precision" if train.get("mixed_precision") == "bf16" else "fp32"
     vocab = ("the full target vocabulary" if not summary["draft_vocab_coverage"] else
              f"pruned to {spec['draft_vocab_size']} target ids, covering {summary['draft_vocab_coverage']:.2%} of the "
              "training answers' tokens")
@@ -172,9 +186,10 @@ from {vocab}.{heads}
   tokens). No MT-Bench or HumanEval prompt was used.
 - {summary['train_sequences']} training sequences ({summary['train_tokens_assistant']} assistant tokens),
   {summary['heldout_sequences']} held out.
-- {train['max_steps']} steps of {train['sequences_per_step']} sequences x {train['anchors_per_sequence']} anchors,
-  AdamW (lr {train['learning_rate']}, cosine schedule), fp32 on one CPU thread: {summary['minutes']} minutes for this
-  draft (data and features cached and shared by both drafts).
+- {summary.get('steps_run') or train['max_steps']} steps of {train['sequences_per_step']} sequences x \
+{train['anchors_per_sequence']} anchors, AdamW (lr {train['learning_rate']}, cosine schedule), {precision} on
+  {summary.get('hardware', 'one CPU thread')}: {summary['minutes']} minutes for this draft, its share of the data
+  included (data and features are cached and shared by both drafts).
 
 ## Measured
 - Final training loss {last.get('loss', float('nan')):.3f}.
@@ -184,8 +199,8 @@ from {vocab}.{heads}
 {evaluation}
 ## Limits
 - Made for this exact target; useless with another one.
-- A small CPU training budget (under an hour on one thread, a few thousand answers of at most
-  {data['max_new_tokens']} tokens): acceptance is far below what a GPU-trained draft reaches.
+- A small training budget (minutes, a few thousand answers of at most {data['max_new_tokens']} tokens): acceptance
+  is far below what drafts trained on hundreds of thousands of answers reach.
 """
 
 
@@ -216,7 +231,8 @@ def train_from_preset(preset_name: str, kind: str, out: Path, work_dir: Path | N
 _DATA_FLAGS = {"num_topic_prompts": int, "num_code_prompts": int, "max_new_tokens": int, "batch_size": int}
 _SPEC_FLAGS = {"block_size": int, "num_layers": int, "draft_vocab_size": int, "markov_rank": int}
 _TRAIN_FLAGS = {"max_steps": int, "sequences_per_step": int, "anchors_per_sequence": int, "learning_rate": float,
-                "seed": int, "eval_every": int, "checkpoint_every": int, "mixed_precision": str}
+                "seed": int, "eval_every": int, "checkpoint_every": int, "mixed_precision": str,
+                "max_minutes": float}
 
 
 def add_parser(subparsers) -> None:
@@ -231,6 +247,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--online-features", action="store_true", help="recompute target states instead of caching")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 where fast), float32, ...")
+    parser.add_argument("--device", default=None, help="where the target answers and the draft trains (default: "
+                        "cuda when available, else cpu)")
     for flags in (_DATA_FLAGS, _SPEC_FLAGS, _TRAIN_FLAGS):
         for name, kind in flags.items():
             parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
@@ -289,7 +307,7 @@ def run(args) -> int:
     kinds = ("dflash", "dspark") if args.kind == "both" else (args.kind,)
     preset = PRESETS[args.preset]
     target_name = args.target or preset.target
-    target, tokenizer = load_target(target_name, args.dtype)
+    target, tokenizer = load_target(target_name, args.dtype, args.device or default_device())
     for kind in kinds:
         out = args.out / f"{args.preset}-{kind}" if args.kind == "both" else args.out
         summary = train_from_preset(

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +66,9 @@ class TrainConfig:
     """Optimisation and bookkeeping of one training run."""
 
     max_steps: int = 1000
+    # A wall-clock budget for the loop: after PROBE_STEPS steps the schedule is shortened to the steps that fit
+    # (never lengthened), so the learning rate still decays to its floor when time runs out.
+    max_minutes: float | None = None
     sequences_per_step: int = 4  # per process
     anchors_per_sequence: int = 16
     learning_rate: float = 6e-4
@@ -174,6 +178,7 @@ def build_draft(target, spec: DraftSpec, vocab_mapping=None, seed: int = 0) -> D
         draft.set_vocab_mapping(*vocab_mapping)
     if spec.init_from_target_layer is not None:
         init_layers_from_target(draft, target, spec.init_from_target_layer)
+    draft.to(target.device)  # trains where the target runs (`train_loop` follows the draft)
     draft.bind_target(target)
     return draft
 
@@ -489,6 +494,16 @@ def heldout_tau(draft: DFlashDraftModel, store, indices: list[int], anchor_chunk
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+PROBE_STEPS = 20  # steps timed before a `max_minutes` budget fixes the step count (their warm-up counts, to be safe)
+
+
+def fit_steps(done: int, elapsed_s: float, steps_timed: int, budget_minutes: float, max_steps: int) -> int:
+    """The step count that fits `budget_minutes` at the rate measured so far, within [done, max_steps]."""
+    per_step = elapsed_s / max(1, steps_timed)
+    left = budget_minutes * 60 - elapsed_s
+    return max(done, min(max_steps, done + int(left / per_step)))
+
+
 def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Learning-rate factor: linear warm-up, then cosine down to `min_ratio`."""
     if step < warmup:
@@ -514,7 +529,8 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
 
     out_dir = Path(out_dir)
     checkpoint_dir = out_dir / "checkpoints"
-    accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision,
+    on_cpu = draft.fc.weight.device.type == "cpu"
+    accelerator = accelerator or Accelerator(cpu=on_cpu, mixed_precision=config.mixed_precision,
                                              step_scheduler_with_optimizer=False)
     if list(store.layer_ids) != list(draft.config.target_layer_ids):
         raise ValueError(f"The features hold target layers {store.layer_ids} but the draft reads "
@@ -530,10 +546,13 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate, betas=tuple(config.adam_betas),
     )
-    warmup = max(1, int(config.warmup_ratio * config.max_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_with_warmup(step, config.max_steps, warmup, config.min_lr_ratio)
-    )
+    plan = {"steps": config.max_steps}  # `max_minutes` may lower it once the step rate is known
+
+    def lr_factor(step: int) -> float:
+        warmup = max(1, int(config.warmup_ratio * plan["steps"]))
+        return cosine_with_warmup(step, plan["steps"], warmup, config.min_lr_ratio)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
     step = 0
     existing = _checkpoints(checkpoint_dir)
@@ -548,7 +567,8 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
                disable=not accelerator.is_local_main_process)
     module.train()
     last = {}
-    while step < config.max_steps:
+    first_step, started = step, time.monotonic()
+    while step < plan["steps"]:
         batch = step_batch(store, step, train_indices, config, accelerator.process_index,
                            accelerator.num_processes).to(accelerator.device)
         with accelerator.autocast():
@@ -556,14 +576,19 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm)
         optimizer.step()
+        step += 1
+        if config.max_minutes and step == first_step + PROBE_STEPS:  # before the scheduler sets the next rate
+            plan["steps"] = fit_steps(step, time.monotonic() - started, PROBE_STEPS, config.max_minutes,
+                                      config.max_steps)
+            bar.total = plan["steps"]
+            logger.info("%.1f-minute budget: %d steps", config.max_minutes, plan["steps"])
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
         last = {"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm), **_to_float(metrics)}
         bar.update(1)
         bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
-        if config.eval_every and (step % config.eval_every == 0 or step == config.max_steps) and heldout_sample:
+        if config.eval_every and (step % config.eval_every == 0 or step == plan["steps"]) and heldout_sample:
             last.update({f"heldout_{k}": v for k, v in heldout_tau(unwrapped, store, heldout_sample,
                                                                    config.eval_anchor_chunk).items()})
         if accelerator.is_main_process and (step % config.log_every == 0 or "heldout_tau_anchors" in last):
@@ -571,7 +596,7 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with metrics_path.open("a") as handle:
                 handle.write(json.dumps(last) + "\n")
-        if step % config.checkpoint_every == 0 or step == config.max_steps:
+        if step % config.checkpoint_every == 0 or step == plan["steps"]:
             save_checkpoint(accelerator, checkpoint_dir, step, config.keep_checkpoints)
         if step_callback is not None:
             step_callback(step, last)
