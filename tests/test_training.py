@@ -19,6 +19,8 @@ from dflash_hf.training.features import (
 )
 from dflash_hf.training.losses import dflash_loss, dspark_loss, slot_weights, total_variation
 from dflash_hf.training.trainer import (
+    PROBE_STEPS,
+    PROBE_WARMUP,
     DraftSpec,
     TrainConfig,
     balance_fc_init,
@@ -284,10 +286,10 @@ def test_resume_after_kill_continues_identically(toy, tmp_path, kind):
 
 
 def test_fit_steps_fills_the_budget_within_bounds():
-    # 20 steps took 10 s: 0.5 s each, so 60 s leave 100 more.
-    assert fit_steps(20, 10.0, 20, 1.0, 10_000) == 120
-    assert fit_steps(20, 10.0, 20, 1.0, 50) == 50  # never beyond max_steps
-    assert fit_steps(20, 90.0, 20, 1.0, 10_000) == 20  # already over: stop now, never below the steps done
+    # 10 s spent, 0.5 s per step: a 1-minute budget leaves 100 more.
+    assert fit_steps(25, 10.0, 0.5, 1.0, 10_000) == 125
+    assert fit_steps(25, 10.0, 0.5, 1.0, 50) == 50  # never beyond max_steps
+    assert fit_steps(25, 90.0, 0.5, 1.0, 10_000) == 25  # already over: stop now, never below the steps done
 
 
 def test_time_budget_ends_the_run_with_the_learning_rate_at_its_floor(toy, tmp_path):
@@ -299,7 +301,7 @@ def test_time_budget_ends_the_run_with_the_learning_rate_at_its_floor(toy, tmp_p
                          sequences_per_step=2, anchors_per_sequence=4, min_lr_ratio=0.1, learning_rate=1e-3)
     seen = []
     last = train_loop(draft, store, config, tmp_path / "run", step_callback=lambda step, m: seen.append(m["lr"]))
-    assert last["step"] == len(seen) == 20
+    assert last["step"] == len(seen) == PROBE_WARMUP + PROBE_STEPS
     assert last["lr"] == pytest.approx(1e-4)
     assert seen[0] < seen[-2] < 1e-4  # warming up towards max_steps until the budget cut the schedule
 

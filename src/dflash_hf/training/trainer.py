@@ -494,14 +494,15 @@ def heldout_tau(draft: DFlashDraftModel, store, indices: list[int], anchor_chunk
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-PROBE_STEPS = 20  # steps timed before a `max_minutes` budget fixes the step count (their warm-up counts, to be safe)
+# A `max_minutes` budget fixes the step count from the rate of PROBE_STEPS steps, timed after PROBE_WARMUP ones
+# (the first steps pay for CUDA start-up and kernel selection: on an H200 they halved the measured rate).
+PROBE_WARMUP, PROBE_STEPS = 5, 20
 
 
-def fit_steps(done: int, elapsed_s: float, steps_timed: int, budget_minutes: float, max_steps: int) -> int:
-    """The step count that fits `budget_minutes` at the rate measured so far, within [done, max_steps]."""
-    per_step = elapsed_s / max(1, steps_timed)
+def fit_steps(done: int, elapsed_s: float, per_step_s: float, budget_minutes: float, max_steps: int) -> int:
+    """The step count that fits what is left of `budget_minutes` at `per_step_s`, within [done, max_steps]."""
     left = budget_minutes * 60 - elapsed_s
-    return max(done, min(max_steps, done + int(left / per_step)))
+    return max(done, min(max_steps, done + int(left / max(per_step_s, 1e-9))))
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -577,8 +578,11 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
         grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm)
         optimizer.step()
         step += 1
-        if config.max_minutes and step == first_step + PROBE_STEPS:  # before the scheduler sets the next rate
-            plan["steps"] = fit_steps(step, time.monotonic() - started, PROBE_STEPS, config.max_minutes,
+        if step == first_step + PROBE_WARMUP:
+            probe_start = time.monotonic()
+        if config.max_minutes and step == first_step + PROBE_WARMUP + PROBE_STEPS:  # before the next rate is set
+            now = time.monotonic()
+            plan["steps"] = fit_steps(step, now - started, (now - probe_start) / PROBE_STEPS, config.max_minutes,
                                       config.max_steps)
             bar.total = plan["steps"]
             logger.info("%.1f-minute budget: %d steps", config.max_minutes, plan["steps"])
