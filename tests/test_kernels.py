@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import random_dflash, tiny_target
+from tiny import random_dflash, random_dspark, tiny_target
 
 from dflash_hf import modeling_dflash
 from dflash_hf.kernels import KERNEL_SOURCE, write_hub_repo
@@ -64,6 +64,17 @@ def test_auto_on_cpu_runs_torch_and_says_so(monkeypatch, caplog):
     assert draft.generation_stats["kernels"] == "torch"
     assert "DFlashDraftModel: torch path." in caplog.text
     assert all(norm._kernels is None for norm in draft.modules() if isinstance(norm, DFlashRMSNorm))
+
+
+def test_auto_leaves_the_markov_walk_to_torch():
+    """The walk kernel measured slower than torch on an H200: `auto` must not call it, `on` does."""
+    draft = random_dspark(tiny_target("qwen3"))
+    auto = modeling_dflash.KernelPath(object(), "cuda", "local", strict=False)  # no op would run on object()
+    assert auto.runs("context_kv") and not auto.runs("markov_walk")
+    assert modeling_dflash.KernelPath(object(), "cuda", "local", strict=True).runs("markov_walk")
+    draft.__dict__["_kernel_path"] = auto
+    assert modeling_dflash._markov_walk_kernel(draft, None, None, None, None, False, False, None) is None
+    assert not auto.failed  # returned before trying the op (trying it on object() would have failed)
 
 
 def test_on_without_cuda_fails_loudly_in_the_draft(monkeypatch):

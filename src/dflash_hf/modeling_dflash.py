@@ -227,6 +227,10 @@ KERNELS_VERSION = 1  # Hub branch `v1` = the kernel package's API_VERSION
 KERNELS_ENV = "DFLASH_KERNELS"
 _KERNEL_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
 _KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "verify_greedy", "verify_rejection")
+# Ops `auto` leaves to torch because their kernel measured slower than torch on a GPU (`scripts/gpu_check.sh` on an
+# H200, docs/gpu_check_h200.txt): the walk runs one program per row, 5-25x slower than torch's per-slot launches at
+# Kimi/Qwen sizes. `on` still runs them (that is how they are tested).
+_AUTO_TORCH_OPS = frozenset({"markov_walk"})
 _kernel_modules: dict[str, tuple] = {}  # device kind -> (module or None, source, why not); one load per process
 _kernel_paths: dict[tuple, "KernelPath"] = {}
 DFlashRMSNorm._kernels = None  # a draft hands its norms a `KernelPath` while its Triton path is on
@@ -246,6 +250,10 @@ class KernelPath:
     @property
     def label(self) -> str:
         return f"triton:{self.source}"
+
+    def runs(self, op: str) -> bool:
+        """Whether `op` takes the kernel on this path (`auto` skips the ones slower than torch)."""
+        return not self.failed and (self.strict or op not in _AUTO_TORCH_OPS)
 
     def __call__(self, op: str, *args):
         if self.failed:
@@ -415,7 +423,7 @@ def _markov_walk_kernel(draft, hidden, base, anchor_ids, logits_processor, do_sa
     """
     path = draft.__dict__.get("_kernel_path")
     head, conf_head = draft.markov_head, draft.confidence_head
-    if path is None or (head is not None and head.head_type != "vanilla"):
+    if path is None or not path.runs("markov_walk") or (head is not None and head.head_type != "vanilla"):
         return None
     temperature = _plain_temperature(logits_processor)
     if temperature is None:
