@@ -37,9 +37,10 @@ class Preset:
     notes: str = ""
 
 
-# The shipped SmolLM2-135M-Instruct drafts. On one thread of a shared 2-core CPU with AMX (target in bf16): ~25 min
-# of data (the target answers 2400 prompts in batches of 32, features captured on the way), then the training runs
-# (see each draft's training_summary.json for its minutes). On a GPU, raise max_steps and the data counts.
+# SmolLM2-135M-Instruct drafts on one thread of a shared 2-core CPU with AMX (target in bf16): ~25 min of data (the
+# target answers 2400 prompts in batches of 32, features captured on the way), then the training runs. The shipped
+# DFlash draft is this preset's; the shipped DSpark one is its GPU scaling, `scripts/gpu_train.sh` (flags on top of
+# it; the exact command is in the draft's card).
 _SMOLLM2_DRAFT = {"num_layers": 1, "num_target_layers_read": 3, "block_size": 8, "mask_token_id": 0,
                   "init_from_target_layer": -1}
 PRESETS = {
@@ -124,6 +125,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         "target": target_name,
         "target_dtype": str(target.dtype).removeprefix("torch."),
         "command": command,
+        "prompts": {"code": sum(r["source"].startswith("stdlib-docstring") for r in records),
+                    "topic": sum(not r["source"].startswith("stdlib-docstring") for r in records)},
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
         "train_tokens_assistant": int(store.token_counts(vocab_size).sum()),
@@ -158,6 +161,8 @@ def model_card(summary: dict, evaluation: str = "") -> str:
     kind, heldout, data, spec = summary["kind"], summary["heldout"], summary["data"], summary["draft"]
     train, last = summary["train"], summary["final_train_metrics"]
     precision = "bf16 mixed precision" if train.get("mixed_precision") == "bf16" else "fp32"
+    # Prompts used (fewer code tasks than asked for when the standard library has fewer docstrings).
+    prompts = summary.get("prompts") or {"code": data["num_code_prompts"], "topic": data["num_topic_prompts"]}
     vocab = ("the full target vocabulary" if not summary["draft_vocab_coverage"] else
              f"pruned to {spec['draft_vocab_size']} target ids, covering {summary['draft_vocab_coverage']:.2%} of the "
              "training answers' tokens")
@@ -179,17 +184,17 @@ from {vocab}.{heads}
 ```
 {summary['command'] or '(Python API)'}
 ```
-- Data, all made offline by the target itself: {data['num_code_prompts']} code tasks built from Python
+- Data, all made offline by the target itself: {prompts['code']} code tasks built from Python
   standard-library docstrings (functions and class methods, asked for from a description or as a stub to complete)
-  and {data['num_topic_prompts']} questions the target wrote from seed topics, answered by the target
+  and {prompts['topic']} questions the target wrote from seed topics, answered by the target
   ({summary.get('target_dtype', 'float32')}) with its chat template (greedy, up to {data['max_new_tokens']} new
   tokens). No MT-Bench or HumanEval prompt was used.
 - {summary['train_sequences']} training sequences ({summary['train_tokens_assistant']} assistant tokens),
   {summary['heldout_sequences']} held out.
 - {summary.get('steps_run') or train['max_steps']} steps of {train['sequences_per_step']} sequences x \
 {train['anchors_per_sequence']} anchors, AdamW (lr {train['learning_rate']}, cosine schedule), {precision} on
-  {summary.get('hardware', 'one CPU thread')}: {summary['minutes']} minutes for this draft, its share of the data
-  included (data and features are cached and shared by both drafts).
+  {summary.get('hardware', 'one CPU thread')}: {summary['minutes']} minutes for this command (data and features are
+  cached in the work directory and reused by later runs).
 
 ## Measured
 - Final training loss {last.get('loss', float('nan')):.3f}.
