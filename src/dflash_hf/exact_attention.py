@@ -19,7 +19,7 @@ a causal prefix such as padding or sliding windows, position biases) goes throug
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 EXACT_ATTENTION = "row_exact"  # no "flash" or "sdpa" in it: transformers reads meaning into those
@@ -40,23 +40,54 @@ def visible_key_counts(attention_mask: torch.Tensor | None, q_len: int, kv_len: 
     return counts.tolist()
 
 
+_last_mask: list = [None, None, None]  # (mask, its version, counts): every layer of a forward gets the same mask
+
+
+def _counts_for(attention_mask, q_len: int, kv_len: int) -> list[int] | None:
+    """`visible_key_counts`, computed once per mask rather than once per layer."""
+    if attention_mask is None:
+        return visible_key_counts(None, q_len, kv_len)
+    if _last_mask[0] is not attention_mask or _last_mask[1] != attention_mask._version:
+        _last_mask[:] = [attention_mask, attention_mask._version, visible_key_counts(attention_mask, q_len, kv_len)]
+    return _last_mask[2]
+
+
+def _decode_call_kwargs(module, key, value, kwargs) -> dict | None:
+    """The keyword arguments transformers' SDPA passes `F.scaled_dot_product_attention` for a one-token decode
+    with no mask, or None where its call would take another form (then each row goes through it)."""
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return None
+    if getattr(module, "num_key_value_groups", 1) > 1:
+        return {"enable_gqa": True} if use_gqa_in_sdpa(None, key, value) else None
+    return {}
+
+
 def row_exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """SDPA, one query row at a time over its own visible keys (see the module docstring)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     counts = None
     if q_len > 1 and query.shape[0] == 1 and kwargs.get("position_bias") is None:
-        counts = visible_key_counts(attention_mask, q_len, kv_len)
+        counts = _counts_for(attention_mask, q_len, kv_len)
     if counts is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kwargs.pop("is_causal", None)
+    direct = _decode_call_kwargs(module, key, value, kwargs)
+    if direct is None:
+        rows = [
+            sdpa_attention_forward(module, query[:, :, row : row + 1], key[:, :, :count], value[:, :, :count], None,
+                                   dropout=dropout, scaling=scaling, is_causal=False, **kwargs)[0]
+            for row, count in enumerate(counts)
+        ]
+        return torch.cat(rows, dim=1), None
+    # The decode's own call, minus the wrapper's per-call checks (a verify makes one per row and layer).
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = [
-        sdpa_attention_forward(module, query[:, :, row : row + 1], key[:, :, :count].contiguous(),
-                               value[:, :, :count].contiguous(), None, dropout=dropout, scaling=scaling,
-                               is_causal=False, **kwargs)[0]
+        sdpa(query[:, :, row : row + 1], key[:, :, :count], value[:, :, :count], dropout_p=dropout, scale=scaling,
+             **direct)
         for row, count in enumerate(counts)
     ]
-    return torch.cat(rows, dim=1), None
+    return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(EXACT_ATTENTION, row_exact_attention)
