@@ -23,7 +23,8 @@ PROMPTS = [
     {"turns": ["write code for a loop", "now make it faster"], "category": "code", "id": "two-turns"},
     {"prompt": "abc abc abc abc abc", "category": "chat"},
 ]
-PATH_NAMES = ["baseline", "dflash_hf", "dspark_hf", "transformers_dflash", "prompt_lookup", "zlab_dflash"]
+PATH_NAMES = ["baseline", "dflash_hf", "dspark_hf", "dflash_hf_lookup", "dspark_hf_lookup", "transformers_dflash", "prompt_lookup",
+              "zlab_dflash"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

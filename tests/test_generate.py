@@ -50,8 +50,11 @@ def test_greedy_is_exact(family, data):
         )
     prompt = data.draw(st.lists(st.integers(3, SMALL_VOCAB - 1), min_size=1, max_size=12), label="prompt")
     max_new = data.draw(st.integers(1, 64), label="max_new_tokens")
+    lookup = data.draw(st.sampled_from([None, 1, 3, 8]), label="prompt_lookup_num_tokens")
     ids = torch.tensor([prompt])
     free = greedy(target, ids, max_new_tokens=max_new, eos_token_id=None, **gen)[0, len(prompt):].tolist()
+    if lookup:
+        gen["prompt_lookup_num_tokens"] = lookup
     # EOS at a random place: one of the tokens the target itself will produce, or one it never produces. Plain greedy
     # with that EOS is the free run cut just after its first occurrence.
     eos = data.draw(st.sampled_from(free + [SMALL_VOCAB - 1]), label="eos")
@@ -194,6 +197,8 @@ def chi_square_p_value(counts, probs):
 
 RUNS = 1000
 PROMPT = [1, 3, 2]
+# Whatever token follows it, the prompt's last 2-gram [3, t] occurred before for most t: the first step looks up.
+REPEATING_PROMPT = [3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3]
 
 
 def test_sampling_matches_the_target_distribution():
@@ -201,6 +206,23 @@ def test_sampling_matches_the_target_distribution():
     probs = exact_pair_distribution(target, PROMPT)
     counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
+    assert chi_square_p_value(counts, probs) > 1e-3
+
+
+def test_sampling_with_prompt_lookup_matches_the_target_distribution():
+    """Steps proposing looked-up tokens (no draft q) are verified by transformers' sample-and-compare rule."""
+    target, draft = _sampling_pair()
+    probs = exact_pair_distribution(target, REPEATING_PROMPT)
+    counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
+    ids = torch.tensor([REPEATING_PROMPT])
+    torch.manual_seed(0)
+    lookup_steps = 0
+    for _ in range(RUNS):
+        out = target.generate(ids, max_new_tokens=4, assistant_model=draft, prompt_lookup_num_tokens=3,
+                              **SAMPLING)[0, len(REPEATING_PROMPT):]
+        counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
+        lookup_steps += draft.generation_stats["lookup_steps"]
+    assert lookup_steps >= RUNS // 2  # most runs' first step looked up
     assert chi_square_p_value(counts, probs) > 1e-3
 
 
@@ -366,3 +388,39 @@ def test_bf16_draft_with_fp32_target():
     out = greedy(target, ids, max_new_tokens=20, eos_token_id=None, assistant_model=draft)
     assert torch.equal(out, greedy(target, ids, max_new_tokens=20, eos_token_id=None))
     assert draft.generation_stats["drafted_tokens"] > 0
+
+
+# -- prompt lookup beside the draft --------------------------------------------------------------------------------
+
+
+def test_lookup_continuation_takes_the_most_recent_longest_match():
+    from dflash_hf.modeling_dflash import lookup_continuation
+
+    def look(ids, num=4):
+        return lookup_continuation(torch.tensor([ids]), 3, 2, num).tolist()
+
+    assert look([1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2, 3]  # 3-gram [1, 2, 3] at 0
+    assert look([5, 6, 7, 5, 6, 8, 5, 6], num=2) == [8, 5]  # 2-gram [5, 6] at 0 and 3: the later one
+    assert look([4, 2, 3, 7, 1, 2, 3]) == [7, 1, 2, 3]  # no 3-gram match; the 2-gram [2, 3] at 1
+    assert look([1, 2, 3, 1]) == []  # a one-token match is too weak
+    assert look([7]) == []
+
+
+def test_lookup_steps_skip_the_draft_but_keep_its_context():
+    """A greedy run on a looping target takes looked-up candidates, stays exact, and leaves the draft's context cache
+    exactly as drafting every step would have (`extend_context` adds what `block_hidden` adds)."""
+    target, draft = pair("llama", "dspark")
+    ids = torch.tensor([[3, 4, 5, 3, 4]])
+    alone = greedy(target, ids, max_new_tokens=40, eos_token_id=None)
+    got = greedy(target, ids, max_new_tokens=40, eos_token_id=None, assistant_model=draft, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, alone)
+    stats = draft.generation_stats
+    assert 0 < stats["lookup_steps"] < len(stats["acceptance_lengths"])  # both sources were used
+    assert stats["draft_forwards"] + stats["lookup_steps"] == len(stats["acceptance_lengths"])
+
+    context = torch.randn(1, 5, draft.fc.in_features)
+    by_block, by_extend = DFlashContextCache(), DFlashContextCache()
+    draft.block_hidden(context, torch.tensor([3]), by_block)
+    draft.extend_context(context, by_extend)
+    for kept in ("keys", "values"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(by_block, kept), getattr(by_extend, kept)))

@@ -61,6 +61,7 @@ WARMUP_NEW_TOKENS = 16
 # Path names, in table order. `baseline` must come first: every other path is compared with it.
 BASELINE = "baseline"
 OURS = {"dflash": "dflash_hf", "dspark": "dspark_hf"}
+OURS_LOOKUP = {kind: name + "_lookup" for kind, name in OURS.items()}  # the draft plus prompt lookup where it matches
 TRANSFORMERS_DFLASH = "transformers_dflash"
 PROMPT_LOOKUP = "prompt_lookup"
 ZLAB = "zlab_dflash"
@@ -409,12 +410,17 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
     skipped: dict[str, str] = {}
     extra_modules: list[torch.nn.Module] = []
 
-    def ours(draft):
-        return lambda ids, mask, n: target.generate(ids, attention_mask=mask, max_new_tokens=n, assistant_model=draft, **hf)
+    def ours(draft, **extra):
+        return lambda ids, mask, n: target.generate(ids, attention_mask=mask, max_new_tokens=n, assistant_model=draft,
+                                                    **extra, **hf)
 
+    lookup = settings.prompt_lookup_num_tokens
     for kind, draft in drafts.items():
         paths.append(BenchPath(OURS[kind], f"dflash-hf {kind}: target.generate(assistant_model=draft)", ours(draft),
                                stats_draft=draft))
+    for kind, draft in drafts.items():
+        paths.append(BenchPath(OURS_LOOKUP[kind], f"dflash-hf {kind} + prompt lookup ({lookup} tokens) where an n-gram "
+                               "repeats", ours(draft, prompt_lookup_num_tokens=lookup), stats_draft=draft))
     dflash_draft = drafts.get("dflash")
     if dflash_draft is None:
         skipped[TRANSFORMERS_DFLASH] = skipped[ZLAB] = "needs a DFlash draft (run with --kind dflash or both)"

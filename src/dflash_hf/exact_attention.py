@@ -44,11 +44,13 @@ _last_mask: list = [None, None, None]  # (mask, its version, counts): every laye
 
 
 def _counts_for(attention_mask, q_len: int, kv_len: int) -> list[int] | None:
-    """`visible_key_counts`, computed once per mask rather than once per layer."""
+    """`visible_key_counts`, computed once per mask rather than once per layer (the mask is held, so no later mask
+    can be the same object; its version catches in-place edits, where autograd tracks one)."""
     if attention_mask is None:
         return visible_key_counts(None, q_len, kv_len)
-    if _last_mask[0] is not attention_mask or _last_mask[1] != attention_mask._version:
-        _last_mask[:] = [attention_mask, attention_mask._version, visible_key_counts(attention_mask, q_len, kv_len)]
+    version = None if attention_mask.is_inference() else attention_mask._version
+    if _last_mask[0] is not attention_mask or _last_mask[1] != version:
+        _last_mask[:] = [attention_mask, version, visible_key_counts(attention_mask, q_len, kv_len)]
     return _last_mask[2]
 
 

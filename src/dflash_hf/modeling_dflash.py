@@ -665,6 +665,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)
         return self(self.embed(block_ids), context_hidden, cache=cache).last_hidden_state
 
+    @torch.no_grad()
+    def extend_context(self, context_hidden: torch.Tensor, cache: DFlashContextCache) -> None:
+        """Add verified tokens' states to `cache` without drafting, for a step whose candidates come from elsewhere
+        (prompt lookup): the same entries `block_hidden` would have added."""
+        _sync_draft_kernels(self, context_hidden)
+        dtype = self.embedding_weight().dtype  # the dtype `forward` computes in (that of the embedded block)
+        context = self.hidden_norm(self.fc(context_hidden.to(dtype)))
+        past = cache.get_seq_length()
+        positions = torch.arange(past, past + context.shape[1], device=context.device)[None]
+        cos, sin = self.rotary_emb(positions.expand(context.shape[0], -1), dtype)
+        for layer, (k, v) in zip(self.layers, _project_context_kv(self, context, cos, sin)):
+            cache.append(layer.self_attn.layer_idx, k, v)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Flattened first: given a non-contiguous 3-D slice (the block's slots), matmul cannot fold the batch and
         # copies the whole [vocab, hidden] head for a bmm on every call (~150 ms for a 49k vocabulary on a CPU).
@@ -1052,6 +1065,19 @@ def check_target_cache_croppable(target: PreTrainedModel) -> None:
         )
 
 
+def lookup_continuation(ids: torch.Tensor, max_ngram: int, min_ngram: int, num_tokens: int) -> torch.Tensor:
+    """Prompt-lookup candidates for the one sequence in `ids` [1, T]: the tokens that followed the most recent earlier
+    occurrence of its last n tokens, trying n from `max_ngram` down to `min_ngram`; empty when none occurred."""
+    row = ids[0]
+    for n in range(min(max_ngram, row.shape[0] - 1), min_ngram - 1, -1):
+        windows = row[:-1].unfold(0, n, 1)  # every n-gram ending before the last token
+        hits = (windows == row[-n:]).all(1).nonzero()
+        if len(hits):
+            start = int(hits[-1, 0]) + n
+            return row[start : start + num_tokens]
+    return row[:0]
+
+
 def _new_stats(kernel_path: str) -> dict:
     return {
         "acceptance_lengths": [],
@@ -1061,9 +1087,14 @@ def _new_stats(kernel_path: str) -> dict:
         "accepted_tokens": 0,
         "target_forwards": 0,
         "draft_forwards": 0,
+        "lookup_steps": 0,  # steps whose candidates came from prompt lookup instead of the draft
         "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
         "kernels": kernel_path,
     }
+
+
+# Prompt lookup beside a draft: n-grams tried, longest first. A one-token match is too weak to displace a block.
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 2
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -1105,6 +1136,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         threshold = getattr(generation_config, "dspark_confidence_threshold", None)
         self.confidence_threshold = threshold if threshold is not None else draft.confidence_threshold
         self.max_length = generation_config.max_length
+        # `prompt_lookup_num_tokens` alongside the draft: where the sequence's last 2..max_matching_ngram_size tokens
+        # occurred before (code repeating its prompt, say), the tokens that followed are tried instead of a block.
+        self.lookup_tokens = generation_config.prompt_lookup_num_tokens or 0
+        self.lookup_ngram = generation_config.max_matching_ngram_size or LOOKUP_MAX_NGRAM
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos_ids = set() if eos is None else {int(e) for e in eos.flatten()}
         self.stats = _new_stats("torch")
         draft.generation_stats = self.stats
         self._start = self._last_return = time.perf_counter()
@@ -1120,6 +1157,16 @@ class DFlashCandidateGenerator(CandidateGenerator):
         fresh = input_ids.shape[1] - 1 - self.num_context
         context = self.capture.states(model_outputs, fresh, self.device)
         budget = self.max_length - input_ids.shape[1] - 1
+        looked_up = self._lookup(input_ids, budget)
+        if looked_up is not None:
+            self.draft.extend_context(context.to(self.device), self.cache)
+            self.num_context += fresh
+            self.stats["lookup_steps"] += 1
+            self.stats["proposals"].append(looked_up.tolist())
+            self.stats["drafted_tokens"] += looked_up.shape[0]
+            self._last_return = time.perf_counter()
+            self.stats["time_s"]["draft"] += self._last_return - now
+            return torch.cat([input_ids, looked_up[None].to(input_ids.device)], dim=1), None
         proposal = self.draft.propose(
             context.to(self.device),
             input_ids[:, -1].to(self.device),
@@ -1146,6 +1193,17 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         pass
+
+    def _lookup(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor | None:
+        """Prompt-lookup candidates (cut before any EOS and to the length budget), or None to draft a block."""
+        if not self.lookup_tokens or budget <= 0:
+            return None
+        found = lookup_continuation(input_ids, self.lookup_ngram, LOOKUP_MIN_NGRAM, min(self.lookup_tokens, budget))
+        for i, token in enumerate(found.tolist()):
+            if token in self.eos_ids:
+                found = found[:i]
+                break
+        return found if found.shape[0] else None
 
     def _account_verify(self, length: int, now: float) -> None:
         """Book the target forward that ran since our last return (the prefill first) and what it emitted."""
