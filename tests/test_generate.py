@@ -424,3 +424,24 @@ def test_lookup_steps_skip_the_draft_but_keep_its_context():
     draft.extend_context(context, by_extend)
     for kept in ("keys", "values"):
         assert all(torch.equal(a, b) for a, b in zip(getattr(by_block, kept), getattr(by_extend, kept)))
+
+
+def test_generate_command_with_prompt_lookup(tmp_path, capsys):
+    """`dflash-hf generate` exits 0 only when the speculative output equals the target's; with --prompt-lookup the
+    agreeable pair (it writes a's and b's) repeats itself, so some steps look up."""
+    from tiny_pair import save_tiny_pair
+
+    from dflash_hf import cli
+    from transformers import AutoTokenizer
+
+    target_dir, draft_dir = save_tiny_pair(tmp_path, kind="dspark", agreeable=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(target_dir)
+    args = ["generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompt", "abba abba",
+            "--max-new-tokens", "24", "--dtype", "float32", "--prompt-lookup", "4"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "identical to the target's own greedy output: True" in out
+    looked_up = int(out.split("prompt lookup on ")[1].split()[0])
+    assert looked_up > 0

@@ -19,6 +19,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                        help="also try N looked-up tokens where the last 2-3 tokens occurred before (0: off)")
     parser.set_defaults(func=run)
 
 
@@ -45,14 +47,17 @@ def run(args) -> int:
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=draft)  # warm-up, not timed
+    speculative = dict(assistant_model=draft)
+    if args.prompt_lookup:
+        speculative["prompt_lookup_num_tokens"] = args.prompt_lookup
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, **speculative)  # warm-up, not timed
 
     def timed(**extra):
         start = time.perf_counter()
         return target.generate(**inputs, **settings, **extra), time.perf_counter() - start
 
     # Interleaved, best of ROUNDS each: a shared machine's noise only ever adds time.
-    runs = [(timed(), timed(assistant_model=draft)) for _ in range(ROUNDS)]
+    runs = [(timed(), timed(**speculative)) for _ in range(ROUNDS)]
     plain, plain_s = runs[0][0][0], min(r[0][1] for r in runs)
     spec, spec_s = runs[0][1][0], min(r[1][1] for r in runs)
     prompt_len = inputs["input_ids"].shape[1]
@@ -64,7 +69,9 @@ def run(args) -> int:
           f"({target.config._attn_implementation} attention)")
     print(f"prompt: {args.prompt}\n--- speculative output ---\n{text}\n---")
     print(f"identical to the target's own greedy output: {identical}")
-    print(f"tokens: {new_tokens}  tau (mean tokens per target forward): {stats['mean_acceptance_length']:.2f}")
+    lookups = f"  (prompt lookup on {stats['lookup_steps']} of {len(stats['acceptance_lengths'])} steps)"
+    print(f"tokens: {new_tokens}  tau (mean tokens per target forward): {stats['mean_acceptance_length']:.2f}"
+          + (lookups if args.prompt_lookup else ""))
     print(f"target alone: {new_tokens / plain_s:.1f} tok/s   speculative: {new_tokens / spec_s:.1f} tok/s   "
           f"speed-up: {plain_s / spec_s:.2f}x")
     return 0 if identical else 1
