@@ -66,8 +66,8 @@ class TrainConfig:
     """Optimisation and bookkeeping of one training run."""
 
     max_steps: int = 1000
-    # A wall-clock budget for the loop: after PROBE_STEPS steps the schedule is shortened to the steps that fit
-    # (never lengthened), so the learning rate still decays to its floor when time runs out.
+    # A wall-clock budget for the loop: once the step rate is measured (see PROBE_STEPS) the schedule is shortened to
+    # the steps that fit (never lengthened), so the learning rate still decays to its floor when time runs out.
     max_minutes: float | None = None
     sequences_per_step: int = 4  # per process
     anchors_per_sequence: int = 16
