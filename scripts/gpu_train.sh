@@ -21,6 +21,7 @@ else
   data=(--num-code-prompts 5000 --num-topic-prompts 1500 --max-new-tokens 256 --batch-size 256)
   steps=(--max-steps 1700 --sequences-per-step 16 --eval-every 500 --checkpoint-every 500 --mixed-precision bf16)
 fi
+# A later flag wins: with MINUTES the step count is whatever fits the budget.
 [ -z "${MINUTES:-}" ] || steps+=(--max-steps 100000 --max-minutes "$MINUTES")
 for kind in "${KINDS[@]}"; do
   case "$kind" in

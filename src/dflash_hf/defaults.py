@@ -36,9 +36,9 @@ def resolve_dtype(dtype: "str | torch.dtype" = "auto", device: str = "cpu") -> t
     """`auto`: the fastest dtype in which greedy speculative output stays bit-identical to the target's own.
 
     That is bfloat16 on CPUs with AMX (oneDNN's bf16 matmuls give a row the same bits whatever the row count, up to a
-    verify block's ~32 rows, and `exact_attention` does the rest) and float32 elsewhere: GPU bf16 matmuls pick kernels by shape, so a verify block
-    and a decode step round differently and greedy texts can part on near-ties. Ask for bfloat16 there to trade that
-    for speed.
+    verify block's ~32 rows, and `exact_attention` does the rest) and float32 elsewhere: GPU bf16 matmuls pick kernels
+    by shape, so a verify block and a decode step round differently and greedy texts can part on near-ties. Ask for
+    bfloat16 there to trade that for speed.
     """
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -40,18 +40,22 @@ def visible_key_counts(attention_mask: torch.Tensor | None, q_len: int, kv_len: 
     return counts.tolist()
 
 
-_last_mask: list = [None, None, None]  # (mask, its version, counts): every layer of a forward gets the same mask
+_last_counts: tuple = (None, None, None)  # (mask, its version, counts): every layer of a forward gets the same mask
 
 
 def _counts_for(attention_mask, q_len: int, kv_len: int) -> list[int] | None:
     """`visible_key_counts`, computed once per mask rather than once per layer (the mask is held, so no later mask
-    can be the same object; its version catches in-place edits, where autograd tracks one)."""
+    can be the same object; its version catches in-place edits, where autograd tracks one). The entry is one tuple,
+    read and replaced whole, so a forward in another thread can replace it but never hand this one its counts."""
+    global _last_counts
     if attention_mask is None:
         return visible_key_counts(None, q_len, kv_len)
     version = None if attention_mask.is_inference() else attention_mask._version
-    if _last_mask[0] is not attention_mask or _last_mask[1] != version:
-        _last_mask[:] = [attention_mask, version, visible_key_counts(attention_mask, q_len, kv_len)]
-    return _last_mask[2]
+    mask, seen_version, counts = _last_counts
+    if mask is not attention_mask or seen_version != version:
+        counts = visible_key_counts(attention_mask, q_len, kv_len)
+        _last_counts = (attention_mask, version, counts)
+    return counts
 
 
 def _decode_call_kwargs(module, key, value, kwargs) -> dict | None:

@@ -1160,13 +1160,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         looked_up = self._lookup(input_ids, budget)
         if looked_up is not None:
             self.draft.extend_context(context.to(self.device), self.cache)
-            self.num_context += fresh
             self.stats["lookup_steps"] += 1
-            self.stats["proposals"].append(looked_up.tolist())
-            self.stats["drafted_tokens"] += looked_up.shape[0]
-            self._last_return = time.perf_counter()
-            self.stats["time_s"]["draft"] += self._last_return - now
-            return torch.cat([input_ids, looked_up[None].to(input_ids.device)], dim=1), None
+            self._book(fresh, looked_up, now)
+            return torch.cat([input_ids, looked_up], dim=1), None
         proposal = self.draft.propose(
             context.to(self.device),
             input_ids[:, -1].to(self.device),
@@ -1177,13 +1173,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
             need_logits=self.do_sample,
             confidence_threshold=self.confidence_threshold,
         )
-        self.num_context += fresh
         self.stats["draft_forwards"] += 1
         draft_ids = proposal.draft_ids[:, : max(budget, 0)].to(input_ids.device)
-        self.stats["drafted_tokens"] += draft_ids.shape[1]
-        self.stats["proposals"].append(draft_ids[0].tolist())
-        self._last_return = time.perf_counter()
-        self.stats["time_s"]["draft"] += self._last_return - now
+        self._book(fresh, draft_ids, now)
         if draft_ids.shape[1] == 0:
             return input_ids, None
         logits = None
@@ -1194,8 +1186,17 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         pass
 
+    def _book(self, fresh: int, candidate_ids: torch.Tensor, now: float) -> None:
+        """Record a step's proposal (drafted or looked up) once the fresh context is in the draft's cache."""
+        self.num_context += fresh
+        self.stats["drafted_tokens"] += candidate_ids.shape[1]
+        self.stats["proposals"].append(candidate_ids[0].tolist())
+        self._last_return = time.perf_counter()
+        self.stats["time_s"]["draft"] += self._last_return - now
+
     def _lookup(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor | None:
-        """Prompt-lookup candidates (cut before any EOS and to the length budget), or None to draft a block."""
+        """Prompt-lookup candidates [1, n] (cut before any EOS and to the length budget; a slice of `input_ids`), or
+        None to draft a block."""
         if not self.lookup_tokens or budget <= 0:
             return None
         found = lookup_continuation(input_ids, self.lookup_ngram, LOOKUP_MIN_NGRAM, min(self.lookup_tokens, budget))
@@ -1203,7 +1204,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             if token in self.eos_ids:
                 found = found[:i]
                 break
-        return found if found.shape[0] else None
+        return found[None] if found.shape[0] else None
 
     def _account_verify(self, length: int, now: float) -> None:
         """Book the target forward that ran since our last return (the prefill first) and what it emitted."""

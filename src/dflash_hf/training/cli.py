@@ -119,14 +119,14 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         balance_fc_init(draft, store)
     last = train_loop(draft, store, train, work_dir / f"run-{kind}")
     heldout = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
+    code_prompts = sum(r["source"].startswith("stdlib-docstring") for r in records)
     logger.info("Held-out tau (teacher-forced, greedy): %s", heldout)
     summary = {
         "kind": kind,
         "target": target_name,
         "target_dtype": str(target.dtype).removeprefix("torch."),
         "command": command,
-        "prompts": {"code": sum(r["source"].startswith("stdlib-docstring") for r in records),
-                    "topic": sum(not r["source"].startswith("stdlib-docstring") for r in records)},
+        "prompts": {"code": code_prompts, "topic": len(records) - code_prompts},
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
         "train_tokens_assistant": int(store.token_counts(vocab_size).sum()),
