@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                        help="also try N looked-up tokens where the last 2-3 tokens occurred before (0: off)")
+                        help="also try N looked-up tokens where the last 2-5 tokens occurred before (0: off)")
     parser.set_defaults(func=run)
 
 

@@ -841,6 +841,10 @@ class DSparkDraftModel(DFlashDraftModel):
         walked = _markov_walk_kernel(self, hidden, base, anchor_ids, logits_processor, do_sample, need_logits, threshold)
         if walked is not None:  # the one-launch Triton walk ran (vanilla head, no processor beyond temperature)
             return walked
+        # Greedy with nothing to process: pick in the draft vocabulary and map the id, instead of scattering every
+        # slot's logits into the target's (a 49k-wide fill, scatter and argmax per slot).
+        draft_argmax = not (logits_processor or do_sample or need_logits)
+        to_target = self.draft_to_target() if draft_argmax and self.config.drafts_pruned_vocab else None
         prev = anchor_ids
         ids = prefix_ids
         state = self.markov_head.initial_state(hidden[:, 0]) if self.markov_head is not None else None
@@ -859,6 +863,10 @@ class DSparkDraftModel(DFlashDraftModel):
                 survival = survival * conf
                 if threshold is not None and bool((survival < threshold).all()):
                     break
+            if draft_argmax:
+                prev = logits_k.argmax(-1) if to_target is None else to_target[logits_k.argmax(-1)]
+                picked.append(prev)
+                continue
             logits_k = self.to_target_logits(logits_k)
             if logits_processor:
                 logits_k = logits_processor(ids, logits_k)
@@ -1093,8 +1101,9 @@ def _new_stats(kernel_path: str) -> dict:
     }
 
 
-# Prompt lookup beside a draft: n-grams tried, longest first. A one-token match is too weak to displace a block.
-LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 2
+# Prompt lookup beside a draft: n-grams tried, longest first (a longer match is likelier to go on as before). A
+# one-token match is too weak to displace a block.
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 5, 2
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
