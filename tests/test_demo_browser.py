@@ -95,8 +95,6 @@ def test_demo_outputs_match_in_the_browser(demo_url, tmp_path):
             spec_text = page.locator("#spec-output textarea").input_value()
             spec_stats = page.locator("#spec-stats").inner_text()
             accepted = page.locator("#spec-colored span[style*='#c8f7c5']").count()
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
             status_text = status.inner_text()
             # The DFlash/DSpark switch: the same prompt through the DSpark draft.
             page.locator("#kind label", has_text="dspark").click()
@@ -104,6 +102,16 @@ def test_demo_outputs_match_in_the_browser(demo_url, tmp_path):
             expect(status).to_contain_text("dspark, block size", timeout=GENERATION_S * 1000)
             dspark_status = status.inner_text()
             dspark_text = page.locator("#spec-output textarea").input_value()
+            # Prompt lookup beside the draft, through its slider.
+            lookup_box = page.locator("#lookup-tokens input[type='number']")
+            lookup_box.fill("4")
+            lookup_box.press("Enter")
+            page.locator("#run").click()
+            expect(status).to_contain_text("prompt lookup (4 tokens)", timeout=GENERATION_S * 1000)
+            lookup_status = status.inner_text()
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)  # the last run: DSpark + prompt lookup
+            lookup_text = page.locator("#spec-output textarea").input_value()
         finally:
             browser.close()
     assert target_text.strip(), "the target-alone output never appeared"
@@ -117,10 +125,14 @@ def test_demo_outputs_match_in_the_browser(demo_url, tmp_path):
     assert SCREENSHOT.stat().st_size > 0
     assert "Identical to the target alone: yes" in dspark_status, dspark_status
     assert dspark_text == target_text
+    assert "Identical to the target alone: yes" in lookup_status, lookup_status
+    assert lookup_text == target_text
 
 
-def test_colours_agree_with_the_generators_books(tmp_path):
-    """Without a browser: per step, the tokens coloured accepted are exactly the generator's accepted count."""
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_colours_agree_with_the_generators_books(tmp_path, lookup):
+    """Without a browser: per step, the tokens coloured accepted are exactly the generator's accepted count, and in
+    the colour of where the step's candidates came from (the draft, or prompt lookup)."""
     import torch
 
     from dflash_hf.demo import DemoModels, IncrementalDetokenizer, RunView, stream_generation
@@ -130,18 +142,25 @@ def test_colours_agree_with_the_generators_books(tmp_path):
     draft = models.drafts["dflash"]
     inputs = models.encode(PROMPT)
     max_new = 30
+    settings = {"max_new_tokens": max_new, "do_sample": False, "prompt_lookup_num_tokens": lookup or None}
     view = RunView(IncrementalDetokenizer(models.tokenizer))
-    accepted_per_step = []
-    for ids, proposal in stream_generation(models.target, inputs, {"max_new_tokens": max_new, "do_sample": False},
-                                           draft):
-        before = sum(1 for _, kind in view.spans if kind == "accepted")
-        view.add_speculative_step(ids, proposal, max_new)
-        accepted_per_step.append(sum(1 for _, kind in view.spans if kind == "accepted") - before)
-    lengths = draft.generation_stats["acceptance_lengths"]
-    assert accepted_per_step[0] == 0  # the prefill's token is the target's own
-    assert accepted_per_step[1:] == [n - 1 for n in lengths]
+    coloured_per_step = []
+    for ids, proposal, looked_up in stream_generation(models.target, inputs, settings, draft):
+        before = len(view.spans)
+        view.add_speculative_step(ids, proposal, max_new, looked_up)
+        kinds = [kind for _, kind in view.spans[before:]]
+        coloured_per_step.append((kinds.count("accepted"), kinds.count("looked_up")))
+    stats = draft.generation_stats
+    lengths = stats["acceptance_lengths"]
+    assert coloured_per_step[0] == (0, 0)  # the prefill's token is the target's own
+    assert coloured_per_step[1:] == [(0, n - 1) if from_lookup else (n - 1, 0)
+                                     for n, from_lookup in zip(lengths, stats["looked_up"])]
     assert any(n > 1 for n in lengths)
-    assert view.tau == pytest.approx(draft.generation_stats["mean_acceptance_length"])
+    if lookup:  # the tiny target repeats itself, so some steps look up and some of those are accepted
+        assert any(looked for _, looked in coloured_per_step)
+    else:
+        assert not any(stats["looked_up"])
+    assert view.tau == pytest.approx(stats["mean_acceptance_length"])
     plain = models.target.generate(**inputs, max_new_tokens=max_new, do_sample=False)
     assert view.detokenizer.ids == plain[0, inputs["input_ids"].shape[1]:].tolist()
     assert view.text == models.tokenizer.decode(plain[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)

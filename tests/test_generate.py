@@ -221,7 +221,7 @@ def test_sampling_with_prompt_lookup_matches_the_target_distribution():
         out = target.generate(ids, max_new_tokens=4, assistant_model=draft, prompt_lookup_num_tokens=3,
                               **SAMPLING)[0, len(REPEATING_PROMPT):]
         counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
-        lookup_steps += draft.generation_stats["lookup_steps"]
+        lookup_steps += sum(draft.generation_stats["looked_up"])
     assert lookup_steps >= RUNS // 2  # most runs' first step looked up
     assert chi_square_p_value(counts, probs) > 1e-3
 
@@ -415,8 +415,9 @@ def test_lookup_steps_skip_the_draft_but_keep_its_context():
     got = greedy(target, ids, max_new_tokens=40, eos_token_id=None, assistant_model=draft, prompt_lookup_num_tokens=4)
     assert torch.equal(got, alone)
     stats = draft.generation_stats
-    assert 0 < stats["lookup_steps"] < len(stats["acceptance_lengths"])  # both sources were used
-    assert stats["draft_forwards"] + stats["lookup_steps"] == len(stats["acceptance_lengths"])
+    assert len(stats["looked_up"]) == len(stats["proposals"]) == len(stats["acceptance_lengths"])
+    assert 0 < sum(stats["looked_up"]) < len(stats["looked_up"])  # both sources were used
+    assert stats["draft_forwards"] + sum(stats["looked_up"]) == len(stats["looked_up"])
 
     context = torch.randn(1, 5, draft.fc.in_features)
     by_block, by_extend = DFlashContextCache(), DFlashContextCache()

@@ -36,17 +36,20 @@ DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_DTYPE = "auto"
 MAX_NEW_TOKENS_LIMIT = 512
 BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 16
+LOOKUP_TOKENS_MAX = 31  # a verify of up to 32 rows keeps bf16 exact on AMX CPUs (see `exact_attention`)
 # Tokens decoded before the new one when turning ids into text pieces: enough context for byte-level BPE and
 # sentencepiece to render the new token's leading space and multi-byte characters as they appear in the full text.
 DETOKENIZE_WINDOW = 6
 COLOURS = {  # inline styles: gr.Blocks takes no page CSS since Gradio 6, and inline keeps the Space app unchanged
     "accepted": "background:#c8f7c5;color:#0b3d0b;",
+    "looked_up": "background:#fff0b3;color:#4a3b00;",
     "target": "background:#cfe3ff;color:#0a2a5c;",
     "rejected": "color:#b00020;text-decoration:line-through;opacity:0.75;font-size:0.85em;",
 }
 TEXT_STYLE = "white-space:pre-wrap;overflow-wrap:anywhere;font-family:monospace;line-height:1.6;min-height:6em"
 LEGEND = (
     f'<span style="{COLOURS["accepted"]}">drafted and accepted</span> · '
+    f'<span style="{COLOURS["looked_up"]}">looked up (prompt lookup) and accepted</span> · '
     f'<span style="{COLOURS["target"]}">from the target (correction or bonus)</span> · '
     f'<span style="{COLOURS["rejected"]}">draft proposal the target rejected</span>'
 )
@@ -123,8 +126,10 @@ class RunView:
             self.spans.append((piece, "target"))
         self.tokens += len(ids)
 
-    def add_speculative_step(self, ids: list[int], proposal: list[int] | None, max_new_tokens: int) -> None:
-        """Colour one step: slot k is accepted when the target emitted the draft's own token there.
+    def add_speculative_step(self, ids: list[int], proposal: list[int] | None, max_new_tokens: int,
+                             looked_up: bool = False) -> None:
+        """Colour one step: slot k is accepted when the target emitted the proposed token there (drafted, or
+        `looked_up` by prompt lookup).
 
         `proposal` is None for the prefill's token. Slots past the length budget were never sent to the target (the
         candidate generator trims them the same way), so they are not shown as rejected.
@@ -136,7 +141,7 @@ class RunView:
             piece = self.detokenizer.piece(token_id)
             self.text += piece
             if k < len(proposal) and proposal[k] == token_id:
-                self.spans.append((piece, "accepted"))
+                self.spans.append((piece, "looked_up" if looked_up else "accepted"))
                 continue
             if k < len(proposal):
                 rejected = self.detokenizer.tokenizer.decode([proposal[k]], skip_special_tokens=False)
@@ -151,10 +156,11 @@ class RunView:
 
 
 def stream_generation(target, inputs: dict, settings: dict, draft=None):
-    """Run `target.generate` in a thread and yield (step ids, that step's draft proposal or None) as they come.
+    """Run `target.generate` in a thread and yield (step ids, that step's proposal or None, whether prompt lookup made
+    it) as they come.
 
-    The proposals come from the candidate generator's live books (`generation_stats["proposals"]`): a step's tokens
-    reach the streamer only after the block they verified was proposed.
+    The proposals come from the candidate generator's live books (`generation_stats["proposals"]`, `["looked_up"]`):
+    a step's tokens reach the streamer only after the candidates they verified were proposed.
     """
     streamer = StepStreamer()
     failure: list[BaseException] = []
@@ -174,8 +180,9 @@ def stream_generation(target, inputs: dict, settings: dict, draft=None):
         step = 0
         while (ids := streamer.steps.get()) is not None:
             # Step 0 is the prefill's token (no proposal); step j >= 1 was verified against proposal j - 1.
-            proposals = draft.generation_stats["proposals"] if draft is not None and step > 0 else []
-            yield ids, (proposals[step - 1] if step <= len(proposals) and step > 0 else None)
+            books = draft.generation_stats if draft is not None and step > 0 else {"proposals": [], "looked_up": []}
+            known = 0 < step <= len(books["proposals"])
+            yield ids, (books["proposals"][step - 1] if known else None), (known and books["looked_up"][step - 1])
             step += 1
     finally:
         thread.join()
@@ -247,7 +254,7 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
     own_block_size = {kind: models.drafts[kind].config.block_size for kind in kinds}
 
     @on_gpu
-    def compare(prompt: str, kind: str, block_size: float, max_new_tokens: float):
+    def compare(prompt: str, kind: str, block_size: float, max_new_tokens: float, lookup_tokens: float):
         if not prompt.strip():
             raise gr.Error("Type a prompt first.")
         draft = models.drafts[kind]
@@ -258,12 +265,13 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
         spec = RunView(IncrementalDetokenizer(models.tokenizer))
         waiting = "*waiting for the target alone to finish*"
         # One after the other, never together: each gets the whole machine, so the tokens/s are comparable.
-        for ids, _ in stream_generation(models.target, inputs, settings):
+        for ids, _, _ in stream_generation(models.target, inputs, settings):
             plain.add_plain_step(ids)
             yield plain.text, _stats_line(plain, False), "", "", waiting, "Generating with the target alone..."
         plain.finished = time.perf_counter()
-        for ids, proposal in stream_generation(models.target, inputs, settings, draft):
-            spec.add_speculative_step(ids, proposal, int(max_new_tokens))
+        lookup = {"prompt_lookup_num_tokens": int(lookup_tokens)} if lookup_tokens else {}
+        for ids, proposal, looked_up in stream_generation(models.target, inputs, {**settings, **lookup}, draft):
+            spec.add_speculative_step(ids, proposal, int(max_new_tokens), looked_up)
             yield (plain.text, _stats_line(plain, False), spec.text, spec.html(), _stats_line(spec, True),
                    f"Generating with the {kind} draft...")
         spec.finished = time.perf_counter()
@@ -272,8 +280,10 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
         summary = (f"{_stats_line(spec, True)}<br>tau from the generator's own books: "
                    f"**{stats.get('mean_acceptance_length', 0.0):.2f}** · speed-up over the target alone: "
                    f"**{plain.seconds / spec.seconds:.2f}x**")
+        looked = (f", prompt lookup ({int(lookup_tokens)} tokens) on {sum(stats['looked_up'])} of "
+                  f"{len(stats['looked_up'])} steps" if lookup_tokens else "")
         status = (f"Done. Identical to the target alone: **{'yes' if identical else 'NO'}** "
-                  f"({spec.tokens} tokens, {kind}, block size {int(block_size)}).")
+                  f"({spec.tokens} tokens, {kind}, block size {int(block_size)}{looked}).")
         yield plain.text, _stats_line(plain, False), spec.text, spec.html(), summary, status
 
     with gr.Blocks(title="dflash-hf: block-diffusion speculative decoding") as demo:
@@ -290,6 +300,9 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
                                    label="Block size (anchor + drafted slots)", elem_id="block-size")
             max_new_tokens = gr.Slider(8, MAX_NEW_TOKENS_LIMIT, step=8, value=DEFAULT_MAX_NEW_TOKENS,
                                        label="Max new tokens", elem_id="max-new-tokens")
+            lookup_tokens = gr.Slider(0, LOOKUP_TOKENS_MAX, step=1, value=0, label="Prompt lookup tokens (0: off)",
+                                      info="where the last 2-5 tokens occurred before, try what followed them "
+                                           "instead of a draft block", elem_id="lookup-tokens")
         run_button = gr.Button("Generate", variant="primary", elem_id="run")
         status = gr.Markdown("", elem_id="status")
         with gr.Row(equal_height=False):
@@ -306,7 +319,7 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
         outputs = [plain_text, plain_stats, spec_text, spec_html, spec_stats, status]
         # One queue for both triggers: requests share the models (and the draft's block size), so they take turns.
         for trigger in (run_button.click, prompt.submit):
-            trigger(compare, [prompt, kind, block_size, max_new_tokens], outputs, concurrency_limit=1,
+            trigger(compare, [prompt, kind, block_size, max_new_tokens, lookup_tokens], outputs, concurrency_limit=1,
                     concurrency_id="generate")
     return demo
 

@@ -69,7 +69,7 @@ def run(args) -> int:
           f"({target.config._attn_implementation} attention)")
     print(f"prompt: {args.prompt}\n--- speculative output ---\n{text}\n---")
     print(f"identical to the target's own greedy output: {identical}")
-    lookups = f"  (prompt lookup on {stats['lookup_steps']} of {len(stats['acceptance_lengths'])} steps)"
+    lookups = f"  (prompt lookup on {sum(stats['looked_up'])} of {len(stats['acceptance_lengths'])} steps)"
     print(f"tokens: {new_tokens}  tau (mean tokens per target forward): {stats['mean_acceptance_length']:.2f}"
           + (lookups if args.prompt_lookup else ""))
     print(f"target alone: {new_tokens / plain_s:.1f} tok/s   speculative: {new_tokens / spec_s:.1f} tok/s   "

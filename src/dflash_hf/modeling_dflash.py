@@ -1095,7 +1095,7 @@ def _new_stats(kernel_path: str) -> dict:
         "accepted_tokens": 0,
         "target_forwards": 0,
         "draft_forwards": 0,
-        "lookup_steps": 0,  # steps whose candidates came from prompt lookup instead of the draft
+        "looked_up": [],  # per verify step, whether its candidates came from prompt lookup instead of the draft
         "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
         "kernels": kernel_path,
     }
@@ -1169,8 +1169,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         looked_up = self._lookup(input_ids, budget)
         if looked_up is not None:
             self.draft.extend_context(context.to(self.device), self.cache)
-            self.stats["lookup_steps"] += 1
-            self._book(fresh, looked_up, now)
+            self._book(fresh, looked_up, now, from_lookup=True)
             return torch.cat([input_ids, looked_up], dim=1), None
         proposal = self.draft.propose(
             context.to(self.device),
@@ -1184,7 +1183,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         )
         self.stats["draft_forwards"] += 1
         draft_ids = proposal.draft_ids[:, : max(budget, 0)].to(input_ids.device)
-        self._book(fresh, draft_ids, now)
+        self._book(fresh, draft_ids, now, from_lookup=False)
         if draft_ids.shape[1] == 0:
             return input_ids, None
         logits = None
@@ -1195,11 +1194,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         pass
 
-    def _book(self, fresh: int, candidate_ids: torch.Tensor, now: float) -> None:
+    def _book(self, fresh: int, candidate_ids: torch.Tensor, now: float, from_lookup: bool) -> None:
         """Record a step's proposal (drafted or looked up) once the fresh context is in the draft's cache."""
         self.num_context += fresh
         self.stats["drafted_tokens"] += candidate_ids.shape[1]
         self.stats["proposals"].append(candidate_ids[0].tolist())
+        self.stats["looked_up"].append(from_lookup)
         self._last_return = time.perf_counter()
         self.stats["time_s"]["draft"] += self._last_return - now
 
