@@ -18,6 +18,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .defaults import DTYPE_HELP
+from .modeling_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ LEGEND = (
     f'<span style="{COLOURS["accepted"]}">drafted and accepted</span> · '
     f'<span style="{COLOURS["looked_up"]}">looked up (prompt lookup) and accepted</span> · '
     f'<span style="{COLOURS["target"]}">from the target (correction or bonus)</span> · '
-    f'<span style="{COLOURS["rejected"]}">draft proposal the target rejected</span>'
+    f'<span style="{COLOURS["rejected"]}">proposal the target rejected</span>'
 )
 
 
@@ -301,8 +302,9 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
             max_new_tokens = gr.Slider(8, MAX_NEW_TOKENS_LIMIT, step=8, value=DEFAULT_MAX_NEW_TOKENS,
                                        label="Max new tokens", elem_id="max-new-tokens")
             lookup_tokens = gr.Slider(0, LOOKUP_TOKENS_MAX, step=1, value=0, label="Prompt lookup tokens (0: off)",
-                                      info="where the last 2-5 tokens occurred before, try what followed them "
-                                           "instead of a draft block", elem_id="lookup-tokens")
+                                      info=f"where the last {LOOKUP_MIN_NGRAM}-{LOOKUP_MAX_NGRAM} tokens occurred "
+                                           "before, try what followed them instead of a draft block",
+                                      elem_id="lookup-tokens")
         run_button = gr.Button("Generate", variant="primary", elem_id="run")
         status = gr.Markdown("", elem_id="status")
         with gr.Row(equal_height=False):

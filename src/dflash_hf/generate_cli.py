@@ -5,6 +5,7 @@ import time
 import torch
 
 from .defaults import DTYPE_HELP
+from .modeling_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 ROUNDS = 2
@@ -20,7 +21,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                        help="also try N looked-up tokens where the last 2-5 tokens occurred before (0: off)")
+                        help=f"also try N looked-up tokens where the last {LOOKUP_MIN_NGRAM}-{LOOKUP_MAX_NGRAM} tokens "
+                             "occurred before (0: off)")
     parser.set_defaults(func=run)
 
 
