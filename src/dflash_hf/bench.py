@@ -57,7 +57,7 @@ HUMANEVAL_INSTRUCTION = "Complete this Python function. Reply with the whole fun
 UNCATEGORIZED = "uncategorized"
 # Both lookup paths propose this many tokens: a verify row costs ~2 ms against a ~70 ms decode step, and a continuation
 # that held once tends to hold on (an offline replay of HumanEval problems 0-69 with measured step costs: 16 beat 7 by
-# 4-7% with ours). At most 31: up to 32 rows, oneDNN's bf16 matmuls give a row a decode's bits (exact bf16 verify).
+# 4-7% with ours). Below `exact_attention.EXACT_VERIFY_ROWS`, so a bf16 verify of the candidates stays exact.
 DEFAULT_PROMPT_LOOKUP_TOKENS = 16
 WARMUP_NEW_TOKENS = 16
 

@@ -18,6 +18,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .defaults import DTYPE_HELP
+from .exact_attention import EXACT_VERIFY_ROWS
 from .modeling_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_DTYPE = "auto"
 MAX_NEW_TOKENS_LIMIT = 512
 BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 16
-LOOKUP_TOKENS_MAX = 31  # a verify of up to 32 rows keeps bf16 exact on AMX CPUs (see `exact_attention`)
+LOOKUP_TOKENS_MAX = EXACT_VERIFY_ROWS - 1  # candidates plus the target's own token: a bf16 verify that stays exact
 # Tokens decoded before the new one when turning ids into text pieces: enough context for byte-level BPE and
 # sentencepiece to render the new token's leading space and multi-byte characters as they appear in the full text.
 DETOKENIZE_WINDOW = 6
@@ -181,9 +182,11 @@ def stream_generation(target, inputs: dict, settings: dict, draft=None):
         step = 0
         while (ids := streamer.steps.get()) is not None:
             # Step 0 is the prefill's token (no proposal); step j >= 1 was verified against proposal j - 1.
-            books = draft.generation_stats if draft is not None and step > 0 else {"proposals": [], "looked_up": []}
-            known = 0 < step <= len(books["proposals"])
-            yield ids, (books["proposals"][step - 1] if known else None), (known and books["looked_up"][step - 1])
+            proposal, looked_up = None, False
+            if draft is not None and 0 < step <= len(draft.generation_stats["proposals"]):
+                proposal = draft.generation_stats["proposals"][step - 1]
+                looked_up = draft.generation_stats["looked_up"][step - 1]
+            yield ids, proposal, looked_up
             step += 1
     finally:
         thread.join()

@@ -3,9 +3,9 @@
 Greedy speculative decoding reproduces the target's own output only if the target scores a block of drafted tokens
 exactly as it would score them one at a time. In float32 the two disagree by ~1e-7 and a near-tie almost never
 flips; in bfloat16 every op rounds to 8 mantissa bits and flips are common (3 in 10 HumanEval answers with SmolLM2).
-On CPUs with AMX, oneDNN's bf16 matmuls give a row the same bits whatever the row count, up to about 32 rows (a
-verify block; measured on SmolLM2's shapes, beyond that some shapes change kernels), so attention, whose reduction
-over keys changes with the query count, the key count and the mask, is the one op left. Here each query row attends,
+On CPUs with AMX, oneDNN's bf16 matmuls give a row the same bits whatever the row count, up to `EXACT_VERIFY_ROWS`
+rows (a verify block), so attention, whose reduction over keys changes with the query count, the key count and the
+mask, is the one op left. Here each query row attends,
 unmasked, to exactly the keys it may see, which is the very call a one-token decode makes. Prefills go row by row
 too (one SDPA call per row and layer: a 170-token SmolLM2 prefill on one CPU thread takes 340 ms instead of 163), so
 a prompt's rows get the same attention whatever follows them; their matmuls still may not, which is why a generator
@@ -23,6 +23,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward, use
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 EXACT_ATTENTION = "row_exact"  # no "flash" or "sdpa" in it: transformers reads meaning into those
+# Rows a verify forward may carry and keep a decode's bits: how far oneDNN's bf16 matmuls stay row-invariant (measured
+# on SmolLM2's shapes; beyond it some shapes change kernels). Candidates per step must stay below it.
+EXACT_VERIFY_ROWS = 32
 
 
 def visible_key_counts(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[int] | None:

@@ -1145,8 +1145,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         threshold = getattr(generation_config, "dspark_confidence_threshold", None)
         self.confidence_threshold = threshold if threshold is not None else draft.confidence_threshold
         self.max_length = generation_config.max_length
-        # `prompt_lookup_num_tokens` alongside the draft: where the sequence's last 2..max_matching_ngram_size tokens
-        # occurred before (code repeating its prompt, say), the tokens that followed are tried instead of a block.
+        # `prompt_lookup_num_tokens` alongside the draft: where the sequence's last LOOKUP_MIN_NGRAM ..
+        # max_matching_ngram_size (default LOOKUP_MAX_NGRAM) tokens occurred before (code repeating its prompt, say),
+        # the tokens that followed are tried instead of a block.
         self.lookup_tokens = generation_config.prompt_lookup_num_tokens or 0
         self.lookup_ngram = generation_config.max_matching_ngram_size or LOOKUP_MAX_NGRAM
         eos = getattr(generation_config, "_eos_token_tensor", None)
