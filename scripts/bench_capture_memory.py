@@ -57,7 +57,7 @@ def run_one(args) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_hf.modeling_dflash import TargetStateCapture
+    from dflash_hf.generation_dflash import TargetStateCapture
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,

@@ -19,8 +19,8 @@ from dflash_hf import modeling_dflash
 from dflash_hf.configuration_dflash import DFlashConfig, DSparkConfig
 from dflash_hf.modeling_dflash import DFlashContextCache, DFlashDraftModel, DFlashRMSNorm, DSparkDraftModel
 
-SHIPPED = {name: getattr(modeling_dflash, name) for name in ("_sync_draft_kernels", "_project_context_kv",
-                                                             "_markov_walk_kernel")}
+SHIPPED = {name: getattr(modeling_dflash, name) for name in ("kernel_path_for", "context_kv_kernel",
+                                                             "markov_walk_kernel")}
 SHIPPED_NORM = DFlashRMSNorm.forward
 
 
@@ -34,10 +34,8 @@ def bare_norm(self, hidden_states):
 
 
 def no_layer() -> None:
-    modeling_dflash._sync_draft_kernels = lambda draft, like: None
-    modeling_dflash._project_context_kv = lambda draft, context, cos, sin: [
-        layer.self_attn.project_kv(context, cos, sin) for layer in draft.layers]
-    modeling_dflash._markov_walk_kernel = lambda *args: None
+    for name in SHIPPED:
+        setattr(modeling_dflash, name, lambda *args: None)
     DFlashRMSNorm.forward = bare_norm
 
 
@@ -130,8 +128,8 @@ def main() -> None:
                 rounds=args.rounds)
         compare(f"{kind} propose (forward + head + pick)", propose, calls=2, rounds=args.rounds)
         with torch.no_grad():
-            hook = timed(lambda draft=draft, block=block: modeling_dflash._sync_draft_kernels(draft, block), 20000)
-        print(f"  the per-forward hook alone (_sync_draft_kernels): {hook * 1e6:.2f} us per call")
+            hook = timed(lambda draft=draft, block=block: draft._select_kernel_path(block), 20000)
+        print(f"  the per-forward hook alone (_select_kernel_path): {hook * 1e6:.2f} us per call")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import draft_fields, random_dflash, random_dspark, tiny_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, modeling_dflash
+from dflash_hf import DFlashConfig, DFlashDraftModel, kernels_dflash
 from dflash_hf.kernels import KERNEL_SOURCE, reference_ops, write_hub_repo
 from dflash_hf.modeling_dflash import DFlashContextCache, DFlashRMSNorm
 
@@ -36,7 +36,7 @@ def kernels_unset(monkeypatch):
 @pytest.fixture(scope="module")
 def ops():
     """The kernel module as the draft loads it (the shipped copy, through `kernels.get_local_kernel`)."""
-    path = modeling_dflash.load_kernels("on", torch.device("cpu"))
+    path = kernels_dflash.load_kernels("on", torch.device("cpu"))
     assert path is not None and path.source == "local"
     return path.module
 
@@ -102,7 +102,7 @@ def test_context_kv_reference_is_the_model_projection(bias, heads, kv_heads):
     draft = spread(DFlashDraftModel(DFlashConfig(**fields)).eval())
     context = torch.randn(2, 5, 32)
     cos, sin = draft.rotary_emb(torch.arange(3, 8)[None].expand(2, -1), torch.float32)
-    stacked = modeling_dflash._stacked_kv_weights(draft)
+    stacked = kernels_dflash.stacked_kv_weights(draft.layers, {})
     keys, values = REF.context_kv(context, *stacked, cos, sin, draft.config.rms_norm_eps)
     for layer in draft.layers:
         k, v = layer.self_attn.project_kv(context, cos, sin)
@@ -381,14 +381,14 @@ def test_generation_identical_with_kernels(monkeypatch, kind):
 def test_failing_kernel_falls_back_in_auto_and_raises_when_on(ops, caplog):
     bad = (torch.randn(1, 2, 8), torch.randn(1, 8, 8), torch.randn(1, 8, 8), torch.randn(1, 8), None,
            torch.randn(1, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8), 1e-6)  # k_bias without v_bias
-    strict = modeling_dflash.KernelPath(ops, "test-kind", "local", strict=True)
+    strict = kernels_dflash.KernelPath(ops, "test-kind", "local", strict=True)
     with pytest.raises(ValueError, match="k_bias and v_bias"):
         strict("context_kv", *bad)
-    lenient = modeling_dflash.KernelPath(ops, "test-kind", "local", strict=False)
-    with caplog.at_level(logging.WARNING, logger=modeling_dflash.__name__):
+    lenient = kernels_dflash.KernelPath(ops, "test-kind", "local", strict=False)
+    with caplog.at_level(logging.WARNING, logger=kernels_dflash.__name__):
         assert lenient("context_kv", *bad) is None
     assert lenient.failed and "using torch from now on" in caplog.text
-    assert modeling_dflash._kernel_modules.pop("test-kind")[0] is None
+    assert kernels_dflash._kernel_modules.pop("test-kind")[0] is None
 
 
 def test_hub_repo_loads_with_get_local_kernel(tmp_path):
@@ -398,10 +398,10 @@ def test_hub_repo_loads_with_get_local_kernel(tmp_path):
     assert (repo / "README.md").read_text().startswith("---")
     for variant, backend in (("torch-cuda", "cuda"), ("torch-cpu", "cpu")):
         metadata = json.loads((repo / "build" / variant / "metadata.json").read_text())
-        assert metadata["backend"]["type"] == backend and metadata["version"] == modeling_dflash.KERNELS_VERSION
+        assert metadata["backend"]["type"] == backend and metadata["version"] == kernels_dflash.KERNELS_VERSION
         assert {p.name for p in (repo / "build" / variant).glob("*.py")} == {p.name for p in KERNEL_SOURCE.glob("*.py")}
     module = get_local_kernel(repo)
-    assert module.API_VERSION == modeling_dflash.KERNELS_VERSION
+    assert module.API_VERSION == kernels_dflash.KERNELS_VERSION
     logits, proposals = greedy_case(2, 7, 300, False, torch.Generator().manual_seed(0))
     assert_greedy(module, logits, proposals)
     x, weight = torch.randn(3, 40), torch.randn(40)

@@ -144,13 +144,13 @@ def test_colours_agree_with_the_generators_books(tmp_path, lookup):
     max_new = 30
     settings = {"max_new_tokens": max_new, "do_sample": False, "prompt_lookup_num_tokens": lookup or None}
     view = RunView(IncrementalDetokenizer(models.tokenizer))
-    coloured_per_step = []
-    for ids, proposal, looked_up in stream_generation(models.target, inputs, settings, draft):
+    coloured_per_step, stats = [], {}
+    for ids, proposal, looked_up in stream_generation(models.target, inputs, settings, draft, stats):
         before = len(view.spans)
         view.add_speculative_step(ids, proposal, max_new, looked_up)
         kinds = [kind for _, kind in view.spans[before:]]
         coloured_per_step.append((kinds.count("accepted"), kinds.count("looked_up")))
-    stats = draft.generation_stats
+    assert stats == draft.generation_stats  # the call's own books, also the draft's last finished call's
     lengths = stats["acceptance_lengths"]
     assert coloured_per_step[0] == (0, 0)  # the prefill's token is the target's own
     assert coloured_per_step[1:] == [(0, n - 1) if from_lookup else (n - 1, 0)

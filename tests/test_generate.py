@@ -394,7 +394,7 @@ def test_bf16_draft_with_fp32_target():
 
 
 def test_lookup_continuation_takes_the_most_recent_longest_match():
-    from dflash_hf.modeling_dflash import lookup_continuation
+    from dflash_hf.generation_dflash import lookup_continuation
 
     def look(ids, num=4):
         return lookup_continuation(torch.tensor([ids]), 3, 2, num).tolist()

@@ -2,15 +2,18 @@
 
 The model repo loads with transformers alone (in a process where `import dflash_hf` fails) and generates the target's
 own tokens; the kernel repo loads with `kernels.get_local_kernel`; the Space has a valid header and its app builds from
-its own folder; a failed upload is one clear line, never a traceback.
+its own folder; a failed upload is one clear line, never a traceback; the static files ship as package data.
 """
 
+import fnmatch
+import importlib.resources
 import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,9 @@ import yaml
 from huggingface_hub import ModelCard, SpaceCard
 from packaging.requirements import Requirement
 
-from dflash_hf import hub_upload
+from dflash_hf import REMOTE_CODE_FILES, hub_upload
 from dflash_hf.cli import main as cli_main
+from dflash_hf.kernels import hub as kernel_hub
 from tiny_pair import save_tiny_pair
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -67,12 +71,12 @@ def model_repo(pair, tmp_path_factory):
 
 def test_model_repo_has_code_weights_and_card(model_repo):
     files = sorted(p.name for p in model_repo.iterdir())
-    assert files == ["README.md", "config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py"]
+    assert files == sorted(["README.md", "config.json", "model.safetensors", *REMOTE_CODE_FILES])
     config = json.loads((model_repo / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_dflash.DFlashDraftModel"
     assert config["auto_map"]["AutoConfig"] == "configuration_dflash.DFlashConfig"
     # The remote-code files are the package's own bytes (one source).
-    for name in ("configuration_dflash.py", "modeling_dflash.py"):
+    for name in REMOTE_CODE_FILES:
         assert (model_repo / name).read_bytes() == (REPO_ROOT / "src" / "dflash_hf" / name).read_bytes()
     meta = _front_matter(model_repo / "README.md")
     # The Hub client's own parser reads the same header.
@@ -155,6 +159,7 @@ def test_kernel_repo_loads_with_get_local_kernel(tmp_path):
     out = tmp_path / "kernel_repo"
     assert cli_main(["upload", "kernels", "--repo-id", "me/dflash-kernels", "--dry-run", str(out)]) == 0
     assert any(p.name == "metadata.json" for p in out.glob("build/*/metadata.json")), sorted(out.rglob("*"))
+    assert (out / "build.toml").is_file() and (out / "torch-ext" / "dflash_kernels" / "__init__.py").is_file()
     script = BLOCK_DFLASH_HF + textwrap.dedent(f"""
         from pathlib import Path
         import torch
@@ -169,6 +174,27 @@ def test_kernel_repo_loads_with_get_local_kernel(tmp_path):
     """)
     done = _isolated_python(script, tmp_path, TRITON_INTERPRET="1")
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
+
+
+def _package_data_match(pattern: str, name: str) -> bool:
+    """setuptools expands package-data globs per path segment: `*` never crosses a `/`."""
+    patterns, names = pattern.split("/"), name.split("/")
+    return len(patterns) == len(names) and all(map(fnmatch.fnmatchcase, names, patterns))
+
+
+def test_upload_files_ship_as_package_data():
+    """An installed (non-editable) wheel can upload: every static file the uploaders read lives inside the package and
+    is matched by a package-data glob of pyproject.toml."""
+    with open(REPO_ROOT / "pyproject.toml", "rb") as file:
+        globs = tomllib.load(file)["tool"]["setuptools"]["package-data"]["dflash_hf"]
+    package = Path(str(importlib.resources.files("dflash_hf")))
+    templates = [p for p in hub_upload.templates_dir().rglob("*") if p.is_file()]
+    read = {p.relative_to(package).as_posix() for p in [*templates, kernel_hub.BUILD_TOML]}
+    assert {"hub_templates/model/README.md", "hub_templates/space/README.md", "hub_templates/space/app.py",
+            "hub_templates/kernels/README.md", "kernels/build.toml"} <= read
+    assert kernel_hub.CARD_DIR.parent == hub_upload.templates_dir()
+    unshipped = [name for name in read if not any(_package_data_match(glob, name) for glob in globs)]
+    assert not unshipped, f"not in [tool.setuptools.package-data]: {unshipped}"
 
 
 def test_space_folder_header_requirements_and_app(pair, tmp_path):

@@ -8,14 +8,16 @@ import logging
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 from tiny import random_dflash, random_dspark, tiny_target
 
-from dflash_hf import modeling_dflash
+from dflash_hf import generation_dflash, kernels_dflash, modeling_dflash
 from dflash_hf.kernels import KERNEL_SOURCE, write_hub_repo
+from dflash_hf.kernels import hub as kernel_hub
 from dflash_hf.modeling_dflash import DFlashRMSNorm
 
 TESTS = Path(__file__).parent
@@ -39,20 +41,20 @@ def test_modes(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("DFLASH_KERNELS", "0")
-    assert modeling_dflash.kernel_mode() == "off" and modeling_dflash.load_kernels("off", cpu) is None
+    assert kernels_dflash.kernel_mode() == "off" and kernels_dflash.load_kernels("off", cpu) is None
     monkeypatch.setenv("DFLASH_KERNELS", "maybe")
     with pytest.raises(ValueError, match="DFLASH_KERNELS"):
-        modeling_dflash.kernel_mode()
+        kernels_dflash.kernel_mode()
     monkeypatch.delenv("DFLASH_KERNELS")
-    assert modeling_dflash.kernel_mode() == "auto"
+    assert kernels_dflash.kernel_mode() == "auto"
     config = random_dflash(tiny_target("qwen3")).config
     config.use_kernels = False
-    assert modeling_dflash.kernel_mode(config) == "off"
+    assert kernels_dflash.kernel_mode(config) == "off"
     monkeypatch.setenv("DFLASH_KERNELS", "1")
-    assert modeling_dflash.kernel_mode(config) == "on"  # the environment overrides the config
-    assert modeling_dflash.load_kernels("auto", cpu) is None  # auto: torch on the CPU
+    assert kernels_dflash.kernel_mode(config) == "on"  # the environment overrides the config
+    assert kernels_dflash.load_kernels("auto", cpu) is None  # auto: torch on the CPU
     with pytest.raises(RuntimeError, match="DFLASH_KERNELS=1"):  # on: loudly, without CUDA or the interpreter
-        modeling_dflash.load_kernels("on", cpu)
+        kernels_dflash.load_kernels("on", cpu)
 
 
 def test_auto_on_cpu_runs_torch_and_says_so(monkeypatch, caplog):
@@ -69,11 +71,10 @@ def test_auto_on_cpu_runs_torch_and_says_so(monkeypatch, caplog):
 def test_auto_leaves_the_markov_walk_to_torch():
     """The walk kernel measured slower than torch on an H200: `auto` must not call it, `on` does."""
     draft = random_dspark(tiny_target("qwen3"))
-    auto = modeling_dflash.KernelPath(object(), "cuda", "local", strict=False)  # no op would run on object()
+    auto = kernels_dflash.KernelPath(object(), "cuda", "local", strict=False)  # no op would run on object()
     assert auto.runs("context_kv") and not auto.runs("markov_walk")
-    assert modeling_dflash.KernelPath(object(), "cuda", "local", strict=True).runs("markov_walk")
-    draft.__dict__["_kernel_path"] = auto
-    assert modeling_dflash._markov_walk_kernel(draft, None, None, None, None, False, False, None) is None
+    assert kernels_dflash.KernelPath(object(), "cuda", "local", strict=True).runs("markov_walk")
+    assert kernels_dflash.markov_walk_kernel(auto, draft, None, None, None, None, False, False, None) is None
     assert not auto.failed  # returned before trying the op (trying it on object() would have failed)
 
 
@@ -98,20 +99,42 @@ def test_training_keeps_torch(monkeypatch):
 
 
 def test_hub_repo_layout(tmp_path):
+    """A kernel-builder no-arch project: build.toml names the package, torch-ext/ holds it, and build/ has exactly
+    the variants build.toml declares."""
     from kernels import Metadata
+    from kernels._rust import Build  # the `kernels` parser of build.toml: rejects unknown fields and editions
 
     repo = write_hub_repo(tmp_path / "repo")
     assert (repo / "README.md").read_text().startswith("---")
+    with open(repo / "build.toml", "rb") as file:
+        config = tomllib.load(file)
+    general = config["general"]
+    assert general["name"] == "dflash-kernels" and general["edition"] == 5 and "torch-noarch" in config
+    assert general["version"] == kernels_dflash.KERNELS_VERSION
+    assert [str(b) for b in Build.open(repo).general.backends] == general["backends"] == ["cpu", "cuda"]
+    source_names = {p.name for p in KERNEL_SOURCE.glob("*.py")}
+    assert {p.name for p in (repo / "torch-ext" / "dflash_kernels").iterdir()} == source_names
+    assert {p.name for p in (repo / "build").iterdir()} == {f"torch-{b}" for b in general["backends"]}
     ids = set()
-    for variant, backend in (("torch-cuda", "cuda"), ("torch-cpu", "cpu")):
-        folder = repo / "build" / variant
+    for backend in general["backends"]:
+        folder = repo / "build" / f"torch-{backend}"
         metadata = json.loads((folder / "metadata.json").read_text())
         parsed = Metadata.read_from_file(folder / "metadata.json")  # what `kernels` will read
-        assert metadata["backend"]["type"] == backend and parsed.version == modeling_dflash.KERNELS_VERSION
+        assert metadata["backend"]["type"] == backend and parsed.version == general["version"]
+        assert (str(parsed.name), parsed.license) == (general["name"], general["license"])
         ids.add(parsed.id)
-        assert {p.name for p in folder.glob("*.py")} == {p.name for p in KERNEL_SOURCE.glob("*.py")}
+        assert {p.name for p in folder.glob("*.py")} == source_names
         assert (folder / "__init__.py").read_bytes() == (KERNEL_SOURCE / "__init__.py").read_bytes()
     assert len(ids) == 2
+
+
+def test_build_toml_must_match_the_source(tmp_path, monkeypatch):
+    """A version bump in build.toml alone would publish a branch whose API_VERSION the loader rejects."""
+    bumped = tmp_path / "build.toml"
+    bumped.write_text(kernel_hub.BUILD_TOML.read_text().replace("version = 1", "version = 2"))
+    monkeypatch.setattr(kernel_hub, "BUILD_TOML", bumped)
+    with pytest.raises(RuntimeError, match="API_VERSION"):
+        write_hub_repo(tmp_path / "repo")
 
 
 def imported_modules(path: Path) -> set[tuple[str, int]]:
@@ -135,4 +158,5 @@ def test_remote_code_file_stays_standalone():
     """transformers' check of a remote-code file sees no import of `kernels` or `dflash_hf` (they sit in try:)."""
     from transformers.dynamic_module_utils import get_imports
 
-    assert set(get_imports(modeling_dflash.__file__)) - set(sys.stdlib_module_names) <= {"torch", "transformers"}
+    for module in (modeling_dflash, generation_dflash, kernels_dflash):
+        assert set(get_imports(module.__file__)) - set(sys.stdlib_module_names) <= {"torch", "transformers"}

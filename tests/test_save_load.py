@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashContextCache, DSparkConfig, DSparkDraftModel
+from dflash_hf import REMOTE_CODE_FILES, DFlashConfig, DFlashContextCache, DSparkConfig, DSparkDraftModel
 from tiny import random_dflash, random_dspark, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_auto_classes_are_registered():
 
 
 def test_top_level_remote_code_files_are_the_package_files():
-    for name in ("configuration_dflash.py", "modeling_dflash.py"):
+    for name in REMOTE_CODE_FILES:
         assert (ROOT / name).read_bytes() == (ROOT / "src" / "dflash_hf" / name).read_bytes()
 
 
@@ -87,7 +87,7 @@ def test_save_load_round_trip(tmp_path, kind):
     draft.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == f"modeling_dflash.{type(draft).__name__}"
-    assert (tmp_path / "modeling_dflash.py").exists() and (tmp_path / "configuration_dflash.py").exists()
+    assert all((tmp_path / name).exists() for name in REMOTE_CODE_FILES)
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(draft)
     a, b = proposals(draft, target), proposals(loaded, target)

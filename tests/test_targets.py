@@ -15,7 +15,7 @@ from target_fixtures import (
 from tiny import make_successor_target, oracle_dspark, random_dflash, random_dspark, tiny_target
 from torch import nn
 
-from dflash_hf.modeling_dflash import TargetStateCapture, find_decoder_layers
+from dflash_hf.generation_dflash import TargetStateCapture, find_decoder_layers
 
 VOCAB = 16  # small enough that random drafts are sometimes right
 NUM_LAYERS = 4

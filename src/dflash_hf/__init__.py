@@ -10,19 +10,19 @@ from transformers import AutoConfig, AutoModel
 from .configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
 from .exact_attention import EXACT_ATTENTION
 from .formats import export_draft, load_draft
-from .modeling_dflash import (
+from .generation_dflash import (
     DFlashCandidateGenerator,
-    DFlashContextCache,
-    DFlashDraftModel,
-    DraftProposal,
-    DSparkDraftModel,
     TargetStateCapture,
     check_draft_fits_target,
-    check_vocab_mapping,
     install_generate_hook,
 )
+from .modeling_dflash import DFlashContextCache, DFlashDraftModel, DraftProposal, DSparkDraftModel, check_vocab_mapping
 
 __version__ = "0.1.0"
+
+# The Hub remote-code files: `save_pretrained` copies them beside a draft's weights (modeling_dflash.py and its
+# flat relative imports), and the repo root holds a symlink to each.
+REMOTE_CODE_FILES = ("configuration_dflash.py", "generation_dflash.py", "kernels_dflash.py", "modeling_dflash.py")
 
 
 def _register() -> None:
@@ -45,6 +45,7 @@ __all__ = [
     "DSparkDraftModel",
     "DraftProposal",
     "EXACT_ATTENTION",
+    "REMOTE_CODE_FILES",
     "TargetStateCapture",
     "check_draft_fits_target",
     "check_vocab_mapping",

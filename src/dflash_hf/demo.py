@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from .defaults import DTYPE_HELP
 from .exact_attention import EXACT_VERIFY_ROWS
-from .modeling_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
+from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,20 @@ LEGEND = (
 
 
 class StepStreamer(BaseStreamer):
-    """Queues each decoding step's new token ids (skipping the prompt).
+    """Queues each decoding step's new token ids (skipping the prompt), and each step's candidates.
 
     A text streamer would lose the step boundaries; here one `put` is one target forward: one token for plain
-    decoding, the accepted run plus the target's own token for assisted decoding.
+    decoding, the accepted run plus the target's own token for assisted decoding. The draft's generator calls
+    `put_candidates` with what a step proposes before the target verifies it.
     """
 
     def __init__(self):
         self.steps: queue.Queue = queue.Queue()
+        self.candidates: queue.Queue = queue.Queue()
         self._prompt_seen = False
+
+    def put_candidates(self, ids: list[int], looked_up: bool) -> None:
+        self.candidates.put((ids, looked_up))
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:
@@ -157,20 +163,21 @@ class RunView:
                 f'<div style="margin-top:0.5em;font-size:0.85em">{LEGEND}</div>')
 
 
-def stream_generation(target, inputs: dict, settings: dict, draft=None):
+def stream_generation(target, inputs: dict, settings: dict, draft=None, books: dict | None = None):
     """Run `target.generate` in a thread and yield (step ids, that step's proposal or None, whether prompt lookup made
-    it) as they come.
+    it) as they come; with a draft, `books` receives the call's `generation_stats` when it ends.
 
-    The proposals come from the candidate generator's live books (`generation_stats["proposals"]`, `["looked_up"]`):
-    a step's tokens reach the streamer only after the candidates they verified were proposed.
+    A step's tokens reach the streamer only after the candidates they verified were proposed (`put_candidates`).
     """
     streamer = StepStreamer()
     failure: list[BaseException] = []
 
     def work():
         try:
-            extra = {"assistant_model": draft} if draft is not None else {}
-            target.generate(**inputs, **settings, **extra, streamer=streamer)
+            extra = {"assistant_model": draft, "return_dict_in_generate": True} if draft is not None else {}
+            out = target.generate(**inputs, **settings, **extra, streamer=streamer)
+            if draft is not None and books is not None:
+                books.update(out.generation_stats)
         except BaseException as error:  # handed to the caller's thread, which reports it in the UI
             failure.append(error)
         finally:
@@ -183,9 +190,8 @@ def stream_generation(target, inputs: dict, settings: dict, draft=None):
         while (ids := streamer.steps.get()) is not None:
             # Step 0 is the prefill's token (no proposal); step j >= 1 was verified against proposal j - 1.
             proposal, looked_up = None, False
-            if draft is not None and 0 < step <= len(draft.generation_stats["proposals"]):
-                proposal = draft.generation_stats["proposals"][step - 1]
-                looked_up = draft.generation_stats["looked_up"][step - 1]
+            if draft is not None and step > 0:
+                proposal, looked_up = streamer.candidates.get_nowait()
             yield ids, proposal, looked_up
             step += 1
     finally:
@@ -254,7 +260,7 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
 
     models = models or DemoModels.load(target, drafts, device, dtype)
     kinds = [kind for kind in ("dflash", "dspark") if kind in models.drafts]
-    # The slider changes the draft's block size per request; the switch goes back to each draft's own.
+    # The slider sets the block size of one request (the drafts are shared); the switch goes back to each draft's own.
     own_block_size = {kind: models.drafts[kind].config.block_size for kind in kinds}
 
     @on_gpu
@@ -262,7 +268,6 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
         if not prompt.strip():
             raise gr.Error("Type a prompt first.")
         draft = models.drafts[kind]
-        draft.config.block_size = int(block_size)
         inputs = models.encode(prompt)
         settings = dict(max_new_tokens=int(max_new_tokens), do_sample=False)
         plain = RunView(IncrementalDetokenizer(models.tokenizer))
@@ -273,13 +278,15 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
             plain.add_plain_step(ids)
             yield plain.text, _stats_line(plain, False), "", "", waiting, "Generating with the target alone..."
         plain.finished = time.perf_counter()
-        lookup = {"prompt_lookup_num_tokens": int(lookup_tokens)} if lookup_tokens else {}
-        for ids, proposal, looked_up in stream_generation(models.target, inputs, {**settings, **lookup}, draft):
+        speculative = GenerationConfig(**settings, dflash_block_size=int(block_size),
+                                       prompt_lookup_num_tokens=int(lookup_tokens) or None)
+        stats = {}
+        for ids, proposal, looked_up in stream_generation(models.target, inputs,
+                                                          {"generation_config": speculative}, draft, stats):
             spec.add_speculative_step(ids, proposal, int(max_new_tokens), looked_up)
             yield (plain.text, _stats_line(plain, False), spec.text, spec.html(), _stats_line(spec, True),
                    f"Generating with the {kind} draft...")
         spec.finished = time.perf_counter()
-        stats = draft.generation_stats
         identical = plain.detokenizer.ids == spec.detokenizer.ids
         summary = (f"{_stats_line(spec, True)}<br>tau from the generator's own books: "
                    f"**{stats.get('mean_acceptance_length', 0.0):.2f}** · speed-up over the target alone: "

@@ -5,7 +5,7 @@ import time
 import torch
 
 from .defaults import DTYPE_HELP
-from .modeling_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
+from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 ROUNDS = 2

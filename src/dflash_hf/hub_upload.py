@@ -2,7 +2,8 @@
 
 Each `build_*` function assembles the exact folder that would be uploaded, so `--dry-run DIR` and a real upload
 share one code path; `push` then creates the repo and uploads that folder with the user's usual HF login. The static
-parts (model card body, Space app and README body) live in the repository's top-level `hub_upload/` folder.
+parts (model card body, Space app and README body, kernel card) are package data in `hub_templates/`, so an installed
+wheel uploads as well as a source checkout.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from pathlib import Path
 
 import yaml
 
+from . import REMOTE_CODE_FILES
+
 logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-TEMPLATES_DIR = PACKAGE_DIR.parents[1] / "hub_upload"
+TEMPLATES_DIR = PACKAGE_DIR / "hub_templates"
 DIST_NAME = "dflash-hf"
 DEFAULT_LICENSE = "apache-2.0"
 # The Space cannot use the GGUF target (its wheel pulls in llama-cpp-python): it takes the same model from the Hub.
@@ -54,8 +57,8 @@ class UploadError(Exception):
 def templates_dir() -> Path:
     if not TEMPLATES_DIR.is_dir():
         raise UploadError(
-            f"The Hub templates folder {TEMPLATES_DIR} is missing: run `dflash-hf upload` from a source checkout "
-            "installed with `pip install -e .`."
+            f"The Hub templates folder {TEMPLATES_DIR} is missing: this dflash-hf install lacks its package data; "
+            "reinstall dflash-hf."
         )
     return TEMPLATES_DIR
 
@@ -188,10 +191,10 @@ def build_model_repo(draft_path: str, dest: str | Path, repo_id: str, base_model
     if not base_model:
         raise UploadError("The model card needs the target model id: pass --base-model (e.g. Qwen/Qwen3-8B).")
     dest = _fresh_folder(dest)
-    # save_pretrained writes auto_map and copies configuration_dflash.py / modeling_dflash.py (registered classes).
+    # save_pretrained writes auto_map and copies the remote-code files (the registered classes' and their imports).
     draft.save_pretrained(dest)
     config = json.loads((dest / "config.json").read_text())
-    missing = [name for name in ("configuration_dflash.py", "modeling_dflash.py") if not (dest / name).exists()]
+    missing = [name for name in REMOTE_CODE_FILES if not (dest / name).exists()]
     if "AutoModel" not in config.get("auto_map", {}) or missing or not list(dest.glob("*.safetensors")):
         raise UploadError(
             f"The saved draft in {dest} cannot load on its own: auto_map={config.get('auto_map')}, missing "

@@ -2,10 +2,12 @@
 
 - `dflash_kernels/`: the kernel package itself, the one source of the Hub repo (see its docstring for the ops) and
   `dflash_kernels.reference`, the torch definition of each op.
-- `write_hub_repo(dest)`: assemble the Hub kernel repo from that source (`dflash-hf upload kernels`).
-- `shipped_kernel_repo()`: the same layout built locally, for `kernels.get_local_kernel`.
+- `build.toml`: the kernel's declaration in kernel-builder's format (a no-arch, pure-Triton kernel).
+- `write_hub_repo(dest)`: assemble the Hub kernel repo (build.toml, torch-ext/, build/) from those two
+  (`dflash-hf upload kernels`).
+- `shipped_kernel_repo()`: the same repo built locally, for `kernels.get_local_kernel`.
 - `ops_for(device)`: the ops to call on a device: the loaded kernels where they run, else the torch references
-  (same signatures). Which one, and why, is decided by `modeling_dflash.load_kernels` (env `DFLASH_KERNELS`).
+  (same signatures). Which one, and why, is decided by `kernels_dflash.load_kernels` (env `DFLASH_KERNELS`).
 
 Importing this package does not import triton; the kernels load on first use.
 """
@@ -39,7 +41,7 @@ def ops_for(device: torch.device | str, mode: str | None = None) -> ModuleType:
 
     mode: "auto" | "on" | "off"; None reads `DFLASH_KERNELS` (auto by default). "on" raises when no kernel loads.
     """
-    from ..modeling_dflash import kernel_mode, load_kernels
+    from ..kernels_dflash import kernel_mode, load_kernels
 
     path = load_kernels(mode or kernel_mode(), torch.device(device))
     return path.module if path is not None else reference_ops()

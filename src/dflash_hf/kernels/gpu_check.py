@@ -186,7 +186,7 @@ def cases(ops, ref, device, shapes):
 def load_ops(source: str):
     from kernels import get_kernel, get_local_kernel
 
-    from ..modeling_dflash import KERNELS_REPO_ID, KERNELS_VERSION
+    from ..kernels_dflash import KERNELS_REPO_ID, KERNELS_VERSION
     from . import shipped_kernel_repo
 
     if source == "hub":
@@ -245,7 +245,8 @@ def end_to_end(device, source: str) -> bool:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ..configuration_dflash import DFlashConfig, DSparkConfig
-    from ..modeling_dflash import KERNELS_REPO_ID, DFlashContextCache, DFlashDraftModel, DSparkDraftModel
+    from ..kernels_dflash import KERNELS_REPO_ID
+    from ..modeling_dflash import DFlashContextCache, DFlashDraftModel, DSparkDraftModel
     from . import shipped_kernel_repo
 
     torch.manual_seed(0)

@@ -1,9 +1,14 @@
-"""Assemble the Hub kernel repo (and its local twin) from the one kernel source, `dflash_kernels/`.
+"""The Hub kernel repo, laid out as a kernel-builder no-arch kernel, and its local twin.
 
-A kernel repo holds `build/<variant>/` folders, each with the package's files and a `metadata.json`; the Triton
-kernels are architecture-independent, so the variants are the no-arch ones of `kernels` 0.17 (`torch-cuda`, and
-`torch-cpu` for the Triton interpreter). The same function writes the local copy that `kernels.get_local_kernel`
-loads when the Hub is out of reach.
+    build.toml                     the declaration: name, version (= the Hub branch), license, backends
+    torch-ext/dflash_kernels/      the source: the package's `dflash_kernels/`
+    build/torch-<backend>/         what `kernels` loads: those files plus metadata.json, one folder per backend
+    README.md                      the card (package data, `hub_templates/kernels/`)
+
+The package keeps `build.toml` beside `dflash_kernels/`. `build_variants` derives a repo's build folders from that
+repo's own build.toml and torch-ext/, as kernel-builder's no-arch build does (pure Triton: nothing is compiled), so
+the declaration and the folders cannot disagree. `shipped_kernel_repo()` writes the same repo locally for
+`kernels.get_local_kernel`, which is how the package loads its kernels without the Hub.
 """
 
 import hashlib
@@ -12,33 +17,50 @@ import logging
 import os
 import shutil
 import tempfile
+import tomllib
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).parent / "dflash_kernels"
-KERNEL_NAME = "dflash-kernels"
-KERNEL_LICENSE = "Apache-2.0"
-# no-arch variant -> the backend its metadata declares.
-VARIANTS = {"torch-cuda": "cuda", "torch-cpu": "cpu"}
-# The repo's static files (card/README) live beside the other Hub uploads in a source checkout.
-STATIC_DIR = Path(__file__).resolve().parents[3] / "hub_upload" / "kernels"
+BUILD_TOML = Path(__file__).parent / "build.toml"
+CARD_DIR = Path(__file__).resolve().parents[1] / "hub_templates" / "kernels"
+# kernel-builder's default for `[torch-noarch] pyext`: the file types a build variant carries.
+DEFAULT_PYEXT = ("py", "pyi")
 CACHE_ENV = "DFLASH_KERNELS_CACHE"
 
 
-def source_files() -> list[Path]:
-    return sorted(p for p in KERNEL_SOURCE.glob("*.py") if p.is_file())
+def read_build_toml(project: Path | None = None) -> dict:
+    """The build.toml of a kernel repo folder; by default the package's own."""
+    path = BUILD_TOML if project is None else Path(project) / "build.toml"
+    with open(path, "rb") as file:
+        return tomllib.load(file)
 
 
-def source_digest() -> str:
-    """Content hash of the kernel source: names the local build and each variant's module id."""
+def module_name(config: dict) -> str:
+    """The Python name of the kernel: its folder under torch-ext/ and under the package."""
+    return config["general"]["name"].replace("-", "_")
+
+
+def package_files(folder: Path, config: dict) -> list[Path]:
+    """The files of a kernel package folder that go into each build variant."""
+    extensions = config.get("torch-noarch", {}).get("pyext", DEFAULT_PYEXT)
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix.lstrip(".") in extensions)
+
+
+def _digest(build_toml: Path, files: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path in source_files():
+    for path in (build_toml, *files):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def api_version() -> int:
+def source_digest() -> str:
+    """Content hash of build.toml and the kernel source: names the local build and each variant's module id."""
+    return _digest(BUILD_TOML, package_files(KERNEL_SOURCE, read_build_toml()))
+
+
+def source_api_version() -> int:
     """API_VERSION as written in the source, read without importing it (importing needs triton)."""
     for line in (KERNEL_SOURCE / "__init__.py").read_text().splitlines():
         if line.startswith("API_VERSION"):
@@ -46,50 +68,89 @@ def api_version() -> int:
     raise RuntimeError(f"No API_VERSION line in {KERNEL_SOURCE / '__init__.py'}.")
 
 
-def variant_metadata(variant: str, digest: str) -> dict:
-    version = api_version()
+def check_build_toml(config: dict) -> None:
+    """The declaration must describe the shipped source: the loader checks API_VERSION against the Hub branch."""
+    general = config["general"]
+    if module_name(config) != KERNEL_SOURCE.name:
+        raise RuntimeError(f"{BUILD_TOML} names {general['name']!r}, but the source is {KERNEL_SOURCE.name}/.")
+    if general["version"] != source_api_version():
+        raise RuntimeError(f"{BUILD_TOML} declares version {general['version']}, but {KERNEL_SOURCE.name} has "
+                           f"API_VERSION = {source_api_version()}: bump both together.")
+    if "torch-noarch" not in config:
+        raise RuntimeError(f"{BUILD_TOML} must declare [torch-noarch]: the kernels are pure Triton.")
+
+
+def api_version() -> int:
+    """The kernel version, i.e. the Hub branch `v<version>` that `kernels.get_kernel(..., version=N)` resolves."""
+    config = read_build_toml()
+    check_build_toml(config)
+    return config["general"]["version"]
+
+
+# Build variant -> backend, as build.toml declares them.
+VARIANTS = {f"torch-{backend}": backend for backend in read_build_toml()["general"]["backends"]}
+
+
+def variant_metadata(config: dict, backend: str, digest: str) -> dict:
+    general = config["general"]
     return {
-        # The loader registers the module under this id: unique per source, version and variant.
-        "id": f"_dflash_kernels_v{version}_{digest[:12]}_{variant.replace('-', '_')}",
-        "name": KERNEL_NAME,
-        "version": version,
-        "license": KERNEL_LICENSE,
-        "python-depends": [],
-        "backend": {"type": VARIANTS[variant]},
+        # The loader registers the module under this id, so it must be unique per source and backend.
+        "id": f"_{module_name(config)}_{backend}_{digest[:12]}",
+        "name": general["name"],
+        "version": general["version"],
+        "license": general["license"],
+        "python-depends": general.get("python-depends", []),
+        "backend": {"type": backend},
     }
 
 
-def write_build(dest: Path, variants=tuple(VARIANTS)) -> Path:
-    """Write `dest/build/<variant>/` for each variant: the package's .py files plus metadata.json."""
-    digest = source_digest()
-    for variant in variants:
-        if variant not in VARIANTS:
-            raise ValueError(f"Unknown kernel variant {variant!r}; known: {sorted(VARIANTS)}.")
-        folder = dest / "build" / variant
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        for path in source_files():
-            shutil.copy2(path, folder / path.name)
-        (folder / "metadata.json").write_text(json.dumps(variant_metadata(variant, digest), indent=2) + "\n")
+def write_source(dest: Path) -> Path:
+    """Write the kernel project: `build.toml` and `torch-ext/<name>/`, copied from the package."""
+    config = read_build_toml()
+    check_build_toml(config)
+    dest = Path(dest)
+    source = dest / "torch-ext" / module_name(config)
+    if source.exists():
+        shutil.rmtree(source)
+    source.mkdir(parents=True)
+    shutil.copy2(BUILD_TOML, dest / "build.toml")
+    for path in package_files(KERNEL_SOURCE, config):
+        shutil.copy2(path, source / path.name)
     return dest
 
 
-def write_hub_repo(dest: Path, variants=tuple(VARIANTS), static_dir: Path | None = STATIC_DIR) -> Path:
-    """Assemble the Hub kernel repo in `dest`: the static files (README card) and `build/<variant>/`.
+def build_variants(project: Path) -> Path:
+    """Write `project/build/torch-<backend>/` for each backend in the project's build.toml: the files of
+    `torch-ext/<name>/` plus a metadata.json."""
+    project = Path(project)
+    config = read_build_toml(project)
+    source = project / "torch-ext" / module_name(config)
+    files = package_files(source, config)
+    digest = _digest(project / "build.toml", files)
+    for backend in config["general"]["backends"]:
+        folder = project / "build" / f"torch-{backend}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        for path in files:
+            shutil.copy2(path, folder / path.name)
+        metadata = variant_metadata(config, backend, digest)
+        (folder / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    return project
 
-    Upload the folder to the kernel repo's branch `v<API_VERSION>` (what `get_kernel(..., version=N)` resolves).
+
+def write_hub_repo(dest: Path) -> Path:
+    """Assemble the Hub kernel repo in `dest`: the card, build.toml, torch-ext/ and the build variants.
+
+    Upload the folder to the kernel repo's branch `v<version>` (what `get_kernel(..., version=N)` resolves).
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    if static_dir is not None and Path(static_dir).is_dir():
-        for path in sorted(Path(static_dir).iterdir()):
-            if path.is_file():
-                shutil.copy2(path, dest / path.name)
-    else:
-        logger.warning("No static kernel-repo files at %s: writing the build variants only.", static_dir)
-    write_build(dest, variants)
-    logger.info("Wrote kernel repo %s (API v%d, variants %s)", dest, api_version(), ", ".join(variants))
+    for path in sorted(CARD_DIR.iterdir()):
+        if path.is_file():
+            shutil.copy2(path, dest / path.name)
+    build_variants(write_source(dest))
+    logger.info("Wrote kernel repo %s (version %d, variants %s)", dest, api_version(), ", ".join(VARIANTS))
     return dest
 
 
@@ -111,7 +172,7 @@ def shipped_kernel_repo() -> Path:
         try:
             root.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
-            write_build(staging)
+            build_variants(write_source(staging))
             try:
                 os.replace(staging, target)
             except OSError:

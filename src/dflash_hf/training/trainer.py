@@ -25,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
-from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel
+from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, layer_attention_mask, markov_walk
 from .losses import dflash_loss, dspark_loss, slot_weights
 from .vocab import target_to_draft_ids
 
@@ -326,20 +326,15 @@ def block_slot_outputs(draft: DFlashDraftModel, batch: BlockBatch) -> SlotOutput
     context_pos = torch.arange(length, device=device)[None].expand(batch_size, -1)
 
     dtype = draft.fc.weight.dtype
-    context = draft.hidden_norm(draft.fc(batch.context.to(dtype)))
-    cos, sin = draft.rotary_emb(torch.cat([context_pos, block_pos], 1), dtype)
-    ctx_cos, ctx_sin, blk_cos, blk_sin = cos[:, :length], sin[:, :length], cos[:, length:], sin[:, length:]
+    draft._select_kernel_path(batch.context)
+    context_kv = draft.encode_context(batch.context, context_pos, dtype)
+    blk_cos, blk_sin = draft.rotary_emb(block_pos, dtype)
     mask = training_attention_mask(batch.anchors, batch.anchor_valid, length, block)
+    key_pos = torch.cat([context_pos, block_pos], 1)
     x = draft.embed(block_ids.reshape(batch_size, num_anchors * block)).to(dtype)
-    for layer in draft.layers:
-        attn = layer.self_attn
-        layer_mask = mask
-        if attn.sliding_window is not None:
-            key_pos = torch.cat([context_pos, block_pos], 1)
-            window = (block_pos[:, :, None] - key_pos[:, None, :]).abs() < attn.sliding_window
-            layer_mask = mask & window[:, None]
-        context_kv = attn.project_kv(context, ctx_cos, ctx_sin)
-        x = layer(x, blk_cos, blk_sin, context_kv, layer_mask)
+    for layer, layer_context_kv in zip(draft.layers, context_kv):
+        layer_mask = layer_attention_mask(layer.self_attn, mask, block_pos, key_pos)
+        x = layer(x, blk_cos, blk_sin, layer_context_kv, layer_mask)
     hidden = draft.norm(x).reshape(batch_size, num_anchors, block, -1)
 
     num_slots = config.num_speculative_slots
@@ -358,23 +353,11 @@ def slot_logits(draft: DFlashDraftModel, hidden: torch.Tensor, prev: torch.Tenso
     """(draft-vocabulary logits [N, S, V_d], confidence logits [N, S] or None) with the Markov head teacher-forced on
     the true previous tokens: while a block is accepted the walk's own picks *are* the true tokens."""
     base = draft.logits(hidden)
-    markov = getattr(draft, "markov_head", None)
-    confidence_head = getattr(draft, "confidence_head", None)
-    if markov is None and confidence_head is None:
+    if draft.markov_head is None and draft.confidence_head is None:
         return base, None
-    state = markov.initial_state(hidden[:, 0]) if markov is not None else None
-    logits, confidence = [], []
-    for s in range(hidden.shape[1]):
-        logits_s, features = base[:, s], hidden[:, s]
-        if markov is not None:
-            bias, state, e = markov(prev[:, s], hidden[:, s], state)
-            logits_s = logits_s + bias
-            if draft.config.confidence_head_with_markov:
-                features = torch.cat([features, e], -1)
-        if confidence_head is not None:
-            confidence.append(confidence_head(features))
-        logits.append(logits_s)
-    return torch.stack(logits, 1), torch.stack(confidence, 1) if confidence else None
+    _, logits, confidence = markov_walk(base, hidden, prev, draft.markov_head, draft.confidence_head,
+                                        bool(draft.config.confidence_head_with_markov))
+    return logits, confidence
 
 
 def _draft_labels(draft: DFlashDraftModel, labels: torch.Tensor) -> torch.Tensor:

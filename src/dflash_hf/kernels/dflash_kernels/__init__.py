@@ -15,7 +15,7 @@ Ops:
 """
 
 from . import reference
-from ._ops import NAMESPACE, context_kv, markov_walk, rms_norm, verify_greedy, verify_rejection
+from ._custom_ops import NAMESPACE, context_kv, markov_walk, rms_norm, verify_greedy, verify_rejection
 
 # The Hub branch `v{API_VERSION}` carries this API; bump both when a signature or a result changes meaning.
 API_VERSION = 1

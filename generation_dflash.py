@@ -1,0 +1,1 @@
+src/dflash_hf/generation_dflash.py

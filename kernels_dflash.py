@@ -1,0 +1,1 @@
+src/dflash_hf/kernels_dflash.py

@@ -1,0 +1,491 @@
+"""Generation: target-state capture, the candidate generator and the hook behind `generate(assistant_model=draft)`.
+
+A Hub remote-code file (torch and transformers only). It knows drafts by duck typing (`_is_dflash_block_drafter`,
+`propose`, `extend_context`, `new_context_cache`), so it never imports the models: `modeling_dflash.py` imports it and
+installs the hook.
+
+Everything a generate call creates (the generator, its target-state capture, its books) belongs to that call: the
+hook finds the call's generator through a context variable, closes its capture whatever raised, and hands the
+finished stats to the caller (`output.generation_stats` with `return_dict_in_generate=True`) and to
+`draft.generation_stats` (the last finished call). Two threads sharing one draft each get their own.
+"""
+
+import contextvars
+import inspect
+import logging
+import threading
+import time
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+
+logger = logging.getLogger(__name__)
+
+
+def check_draft_fits_target(draft_config, target_config) -> None:
+    """Raise, naming the field, when a draft cannot read this target's states or speak its vocabulary."""
+    text_config = target_config.get_text_config(decoder=True)
+    expected = {
+        "vocab_size": text_config.vocab_size,
+        "target_hidden_size": text_config.hidden_size,
+        "num_target_layers": text_config.num_hidden_layers,
+    }
+    for name, value in expected.items():
+        if getattr(draft_config, name) != value:
+            raise ValueError(
+                f"The draft does not fit this target: draft `{name}` = {getattr(draft_config, name)}, the target "
+                f"({type(target_config).__name__}) has {value}. Load the draft made for this target."
+            )
+    if any(not 0 <= t < expected["num_target_layers"] for t in draft_config.target_layer_ids):
+        raise ValueError(
+            f"The draft reads target layers {draft_config.target_layer_ids} but the target has "
+            f"{expected['num_target_layers']} decoder layers."
+        )
+    if not 0 <= draft_config.mask_token_id < expected["vocab_size"]:
+        raise ValueError(
+            f"The draft's `mask_token_id` = {draft_config.mask_token_id} is outside the target vocabulary "
+            f"[0, {expected['vocab_size']})."
+        )
+
+
+class TargetStateCapture:
+    """Captures the outputs of the target's chosen decoder layers during its forwards.
+
+    mode "outputs": transformers' selective `output_hidden_states=[t + 1, ...]` (only those layers are kept);
+    mode "hooks": forward hooks on the decoder layers, for targets whose modeling code cannot select (remote code,
+    older code). "auto" picks "outputs" where the target records hidden states through transformers' output capture.
+    Either way, only the chosen layers' states are held, and only until the next forward.
+    """
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int], mode: str = "auto"):
+        self.layer_ids = list(layer_ids)
+        self.layers = find_decoder_layers(target)
+        if mode == "auto":
+            mode = "outputs" if "hidden_states" in (getattr(target, "_can_record_outputs", None) or {}) else "hooks"
+        if mode not in ("outputs", "hooks"):
+            raise ValueError(f"capture mode must be 'auto', 'outputs' or 'hooks', got {mode!r}.")
+        self.mode = mode
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        # The target is shared: another thread's generate call may run it at the same time, and its forwards fire
+        # these hooks too. Record only the forwards of the thread that owns this capture (its generate call).
+        self._owner = threading.get_ident()
+        if mode == "hooks":
+            for t in self.layer_ids:
+                # `hidden_states[N]` is the final-normed state in transformers, so the last layer is read after the norm.
+                module = self.layers[t] if t < len(self.layers) - 1 else find_final_norm(target, self.layers)
+                self._handles.append(module.register_forward_hook(self._recorder(t)))
+
+    def _recorder(self, layer_id: int):
+        def record(module, args, output):
+            if threading.get_ident() != self._owner:
+                return
+            self._captured[layer_id] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+
+        return record
+
+    @property
+    def model_kwargs_overrides(self) -> dict:
+        return {"output_hidden_states": [t + 1 for t in self.layer_ids]} if self.mode == "outputs" else {}
+
+    def states(self, model_outputs, count: int, device: torch.device) -> torch.Tensor:
+        """[B, count, K*H]: the first `count` positions of the last target forward, layers concatenated."""
+        if self.mode == "hooks":
+            parts = [self._captured[t] for t in self.layer_ids]
+        else:
+            hidden = getattr(model_outputs, "hidden_states", None)
+            if hidden is None or any(hidden[t + 1] is None for t in self.layer_ids):
+                raise RuntimeError(
+                    "The target did not return the requested hidden states; set `draft.capture_mode = 'hooks'`."
+                )
+            parts = [hidden[t + 1] for t in self.layer_ids]
+        return torch.cat([p[:, :count].to(device) for p in parts], dim=-1)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._captured.clear()
+
+
+# Where decoder layers live in the models users bring: causal LMs, multimodal wrappers, GPT-style and encoder-decoder.
+DECODER_LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "language_model.layers",
+    "model.text_model.layers",
+    "text_model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+)
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder layer list, found by the usual paths, else by its length (num_hidden_layers)."""
+    for path in DECODER_LAYER_PATHS:
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if isinstance(module, nn.ModuleList):
+            return module
+    expected = model.config.get_text_config(decoder=True).num_hidden_layers
+    candidates = [m for _, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == expected]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise ValueError(
+        f"Could not find the decoder layers of {type(model).__name__}: none of {', '.join(DECODER_LAYER_PATHS)} exists "
+        f"and {len(candidates)} ModuleLists have num_hidden_layers={expected} entries. Set `draft.capture_mode` and "
+        "capture the layers yourself, or report the model layout."
+    )
+
+
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "ln_f")
+
+
+def find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The norm applied after the decoder layers: a sibling of the layer list under one of the usual names."""
+    for _, parent in model.named_modules():
+        if any(child is layers for child in parent.children()):
+            for name in FINAL_NORM_NAMES:
+                if isinstance(getattr(parent, name, None), nn.Module):
+                    return getattr(parent, name)
+    raise ValueError(
+        f"The draft reads the last decoder layer, whose state transformers reports after the final norm, but no final "
+        f"norm ({', '.join(FINAL_NORM_NAMES)}) sits beside the layers of {type(model).__name__}."
+    )
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where a module computes: accelerate's execution device if dispatched, else where its weights are."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return torch.device("cpu")
+
+
+CROPPABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def check_target_cache_croppable(target: PreTrainedModel) -> None:
+    """Speculation rolls the target's cache back after each verify; recurrent layers cannot be rolled back."""
+    layer_types = getattr(target.config.get_text_config(decoder=True), "layer_types", None) or []
+    recurrent = sorted({t for t in layer_types if t not in CROPPABLE_LAYER_TYPES})
+    if getattr(target, "_is_stateful", False) or recurrent:
+        raise ValueError(
+            f"{type(target).__name__} keeps recurrent state ({', '.join(recurrent) or 'stateful model'}) that cannot be "
+            "cropped back after a rejected draft, so block speculation cannot be lossless on it. Generate without "
+            "`assistant_model`."
+        )
+
+
+def lookup_continuation(ids: torch.Tensor, max_ngram: int, min_ngram: int, num_tokens: int) -> torch.Tensor:
+    """Prompt-lookup candidates for the one sequence in `ids` [1, T]: the tokens that followed the most recent earlier
+    occurrence of its last n tokens, trying n from `max_ngram` down to `min_ngram`; empty when none occurred."""
+    row = ids[0]
+    for n in range(min(max_ngram, row.shape[0] - 1), min_ngram - 1, -1):
+        windows = row[:-1].unfold(0, n, 1)  # every n-gram ending before the last token
+        hits = (windows == row[-n:]).all(1).nonzero()
+        if len(hits):
+            start = int(hits[-1, 0]) + n
+            return row[start : start + num_tokens]
+    return row[:0]
+
+
+def _new_stats() -> dict:
+    return {
+        "acceptance_lengths": [],
+        "proposals": [],  # per verify step, the drafted ids; the first acceptance_lengths[i] - 1 were accepted
+        "mean_acceptance_length": 0.0,
+        "drafted_tokens": 0,
+        "accepted_tokens": 0,
+        "target_forwards": 0,
+        "draft_forwards": 0,
+        "looked_up": [],  # per verify step, whether its candidates came from prompt lookup instead of the draft
+        "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
+        "kernels": "torch",
+    }
+
+
+# Prompt lookup beside a draft: n-grams tried, longest first (a longer match is likelier to go on as before). A
+# one-token match is too weak to displace a block.
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 5, 2
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Drafts one block per step from the target's captured hidden states, on transformers' assisted decoding.
+
+    The target's verification forward captures only `target_layer_ids` (`model_kwargs_overrides`); each call feeds
+    the newly verified tokens' states to the draft's context cache and proposes the next block. One generator per
+    generate call: it holds that call's context cache, capture and books (`stats`).
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, draft, target: PreTrainedModel, generation_config, logits_processor=None,
+                 input_ids: torch.Tensor | None = None):
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Block speculation runs one sequence at a time (got batch size {input_ids.shape[0]}), as transformers' "
+                "assisted generation does. Call `generate` once per prompt, or drop `assistant_model` for batched decoding."
+            )
+        check_draft_fits_target(draft.config, target.config)
+        check_target_cache_croppable(target)
+        if target.device.type == "meta":
+            raise ValueError(
+                "The target's input embedding is offloaded to disk (target.device is meta), which transformers' "
+                "assisted generation cannot run with: keep the embedding on a real device in your device_map."
+            )
+        layers = find_decoder_layers(target)
+        if draft.place_with_target:  # beside the last decoder layer, where the states are freshest
+            device = execution_device(layers[-1])
+            if draft.fc.weight.device != device:
+                draft.to(device)
+        draft.bind_target(target)  # may raise: before any hook goes on the target
+        self.draft = draft
+        self.device = draft.fc.weight.device
+        self.cache = draft.new_context_cache()
+        self.num_context = 0  # verified tokens whose states are in the draft's cache
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor else None
+        threshold = getattr(generation_config, "dspark_confidence_threshold", None)
+        self.confidence_threshold = threshold if threshold is not None else draft.confidence_threshold
+        self.block_size = getattr(generation_config, "dflash_block_size", None) or draft.config.block_size
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(f"`dflash_block_size` = {self.block_size!r}; expected an integer >= 2 (anchor + slots).")
+        self.max_length = generation_config.max_length
+        # `prompt_lookup_num_tokens` alongside the draft: where the sequence's last LOOKUP_MIN_NGRAM ..
+        # max_matching_ngram_size (default LOOKUP_MAX_NGRAM) tokens occurred before (code repeating its prompt, say),
+        # the tokens that followed are tried instead of a block.
+        self.lookup_tokens = generation_config.prompt_lookup_num_tokens or 0
+        self.lookup_ngram = generation_config.max_matching_ngram_size or LOOKUP_MAX_NGRAM
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos_ids = set() if eos is None else {int(e) for e in eos.flatten()}
+        self.stats = _new_stats()
+        # A streamer with `put_candidates(ids: list[int], looked_up: bool)` hears each step's candidates before the
+        # target verifies them (the demo colours accepted tokens by source); the hook hands over the call's streamer.
+        self.streamer = None
+        # Last: the only step that changes the target (hooks in "hooks" mode).
+        self.capture = TargetStateCapture(target, draft.config.target_layer_ids, draft.capture_mode)
+        self.model_kwargs_overrides = self.capture.model_kwargs_overrides
+        if generation_config.output_hidden_states:
+            # The caller asked for every layer's states: leave the request alone (the chosen ones are among them);
+            # narrowing it to our layers would hand `generate` a tuple its bookkeeping cannot slice.
+            self.model_kwargs_overrides = {}
+        self._start = self._last_return = time.perf_counter()
+        self._last_length = None  # sequence length when we last returned candidates
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
+                       n_last_matches=0, **kwargs):
+        now = time.perf_counter()
+        self._account_verify(input_ids.shape[1], now)
+        if is_first_iteration:
+            self._last_return = time.perf_counter()
+            return input_ids, None
+        fresh = input_ids.shape[1] - 1 - self.num_context
+        context = self.capture.states(model_outputs, fresh, self.device)
+        budget = self.max_length - input_ids.shape[1] - 1
+        looked_up = self._lookup(input_ids, budget)
+        if looked_up is not None:
+            self.draft.extend_context(context, self.cache)
+            self._book(fresh, looked_up, now, from_lookup=True)
+            return torch.cat([input_ids, looked_up], dim=1), None
+        proposal = self.draft.propose(
+            context,
+            input_ids[:, -1].to(self.device),
+            self.cache,
+            prefix_ids=input_ids.to(self.device) if self.logits_processor else None,
+            logits_processor=self.logits_processor,
+            do_sample=self.do_sample,
+            need_logits=self.do_sample,
+            confidence_threshold=self.confidence_threshold,
+            block_size=self.block_size,
+        )
+        self.stats["draft_forwards"] += 1
+        draft_ids = proposal.draft_ids[:, : max(budget, 0)].to(input_ids.device)
+        self._book(fresh, draft_ids, now, from_lookup=False)
+        if draft_ids.shape[1] == 0:
+            return input_ids, None
+        logits = None
+        if proposal.draft_logits is not None:
+            logits = proposal.draft_logits[:, : draft_ids.shape[1]].to(input_ids.device)
+        return torch.cat([input_ids, draft_ids], dim=1), logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+    def _book(self, fresh: int, candidate_ids: torch.Tensor, now: float, from_lookup: bool) -> None:
+        """Record a step's proposal (drafted or looked up) once the fresh context is in the draft's cache."""
+        self.num_context += fresh
+        self.stats["drafted_tokens"] += candidate_ids.shape[1]
+        self.stats["proposals"].append(candidate_ids[0].tolist())
+        self.stats["looked_up"].append(from_lookup)
+        if hasattr(self.streamer, "put_candidates"):
+            self.streamer.put_candidates(self.stats["proposals"][-1], from_lookup)
+        self._last_return = time.perf_counter()
+        self.stats["time_s"]["draft"] += self._last_return - now
+
+    def _lookup(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor | None:
+        """Prompt-lookup candidates [1, n] (cut before any EOS and to the length budget; a slice of `input_ids`), or
+        None to draft a block."""
+        if not self.lookup_tokens or budget <= 0:
+            return None
+        found = lookup_continuation(input_ids, self.lookup_ngram, LOOKUP_MIN_NGRAM, min(self.lookup_tokens, budget))
+        for i, token in enumerate(found.tolist()):
+            if token in self.eos_ids:
+                found = found[:i]
+                break
+        return found[None] if found.shape[0] else None
+
+    def _account_verify(self, length: int, now: float) -> None:
+        """Book the target forward that ran since our last return (the prefill first) and what it emitted."""
+        if self._last_length is not None:
+            phase = "prefill" if self.stats["target_forwards"] == 0 else "verify"
+            self.stats["time_s"][phase] += now - self._last_return
+            self.stats["target_forwards"] += 1
+            if phase == "verify":
+                emitted = length - self._last_length
+                self.stats["acceptance_lengths"].append(emitted)
+                self.stats["accepted_tokens"] += emitted - 1
+        self._last_length = length
+
+    def finish(self, sequences: torch.Tensor) -> dict:
+        """Close the books after `generate` returns: the last verify step and the totals."""
+        self.capture.close()
+        self._account_verify(sequences.shape[1], time.perf_counter())
+        lengths = self.stats["acceptance_lengths"]
+        self.stats["mean_acceptance_length"] = sum(lengths) / len(lengths) if lengths else 0.0
+        self.stats["time_s"]["total"] = time.perf_counter() - self._start
+        self.stats["kernels"] = self.draft.kernel_label
+        return self.stats
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The generate hook
+# ----------------------------------------------------------------------------------------------------------------------
+
+class _GenerateCall:
+    """What one `_assisted_decoding` call with a block drafter made, found by the hook through `_current_call`
+    (context variables are per thread, so concurrent calls never see each other's)."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+        self.generators: list[DFlashCandidateGenerator] = []
+
+
+_current_call: contextvars.ContextVar = contextvars.ContextVar("dflash_generate_call", default=None)
+
+# What the hook wraps, with the parameters it relies on; checked at install, so a transformers release that renames
+# them fails loudly at import instead of silently bypassing the draft.
+PATCHED_METHODS = {
+    "_get_candidate_generator": ("generation_config", "input_ids", "inputs_tensor", "logits_processor",
+                                 "model_kwargs", "assistant_model"),
+    "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
+    "_assisted_decoding": ("input_ids", "assistant_model"),
+}
+
+
+def _is_block_drafter(model) -> bool:
+    return getattr(model, "_is_dflash_block_drafter", False)
+
+
+def check_patchable(mixin=GenerationMixin) -> None:
+    """Raise, naming the transformers version, when a method the hook wraps is missing or lost a parameter."""
+    import transformers
+
+    problems = []
+    for name, params in PATCHED_METHODS.items():
+        method = getattr(mixin, name, None)
+        if method is None:
+            problems.append(f"`{name}` is missing")
+            continue
+        method = getattr(method, "__wrapped__", method)
+        missing = [p for p in params if p not in inspect.signature(method).parameters]
+        if missing:
+            problems.append(f"`{name}` has no parameter(s) {', '.join(missing)}")
+    if problems:
+        raise RuntimeError(
+            f"dflash: transformers {transformers.__version__} changed the generation API the `generate` hook wraps "
+            f"({'; '.join(problems)}); install a supported release (see the package's `transformers` pin)."
+        )
+
+
+def install_generate_hook() -> None:
+    """Make `target.generate(..., assistant_model=draft)` use the draft's own candidate generator.
+
+    Idempotent (the first installer wins, whichever module it came from, since the dispatch goes through the draft's
+    own `make_candidate_generator`); every other assistant type, and `speculation_type="dflash"`, keep transformers'
+    own behaviour.
+    """
+    if getattr(GenerationMixin._get_candidate_generator, "_dflash_hook", False):
+        return
+    check_patchable()
+    original_get = GenerationMixin._get_candidate_generator
+    original_validate = GenerationMixin._validate_generation_mode
+    original_assisted = GenerationMixin._assisted_decoding
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, *args, **kwargs):
+        if _is_block_drafter(assistant_model) and getattr(generation_config, "speculation_type", None) != "dflash":
+            generator = assistant_model.make_candidate_generator(self, generation_config, logits_processor, input_ids)
+            call = _current_call.get()
+            if call is not None:
+                call.generators.append(generator)
+                generator.streamer = call.streamer
+            return generator
+        return original_get(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                            assistant_model, *args, **kwargs)
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        drafter = generation_mode_kwargs.get("assistant_model")
+        if _is_block_drafter(drafter):
+            check_draft_fits_target(drafter.config, self.config)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
+        if not _is_block_drafter(assistant_model):
+            return original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        call = _GenerateCall(kwargs.get("streamer"))
+        token = _current_call.set(call)
+        try:
+            result = original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        finally:
+            _current_call.reset(token)
+            for generator in call.generators:
+                generator.capture.close()  # never leave hooks on the target, even when generation raised
+        if call.generators:
+            stats = call.generators[-1].finish(result if isinstance(result, torch.Tensor) else result.sequences)
+            assistant_model.generation_stats = stats  # the last finished call's, for convenience
+            if not isinstance(result, torch.Tensor):
+                result.generation_stats = stats  # this call's, whatever other threads finish meanwhile
+        return result
+
+    for name, wrapper in (
+        ("_get_candidate_generator", _get_candidate_generator),
+        ("_validate_generation_mode", _validate_generation_mode),
+        ("_assisted_decoding", _assisted_decoding),
+    ):
+        wrapper._dflash_hook = True
+        wrapper.__wrapped__ = getattr(GenerationMixin, name)
+        setattr(GenerationMixin, name, wrapper)
+
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "LOOKUP_MAX_NGRAM",
+    "LOOKUP_MIN_NGRAM",
+    "TargetStateCapture",
+    "check_draft_fits_target",
+    "check_patchable",
+    "find_decoder_layers",
+    "install_generate_hook",
+    "lookup_continuation",
+]
