@@ -405,4 +405,4 @@ def test_hub_repo_loads_with_get_local_kernel(tmp_path):
     logits, proposals = greedy_case(2, 7, 300, False, torch.Generator().manual_seed(0))
     assert_greedy(module, logits, proposals)
     x, weight = torch.randn(3, 40), torch.randn(40)
-    close(module.rms_norm(x, weight, 1e-6), module.reference.rms_norm(x, weight, 1e-6))
+    close(module.rms_norm(x, weight, 1e-6), REF.rms_norm(x, weight, 1e-6))

@@ -47,11 +47,15 @@ class DFlashRMSNorm(nn.Module):
             out = self._kernels("rms_norm", hidden_states, self.weight, self.variance_epsilon)
             if out is not None:
                 return out
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in fp32, round back to the input dtype, then scale (the rounding points the kernel matches)."""
+    dtype = x.dtype
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
 
 
 class DFlashRotaryEmbedding(nn.Module):

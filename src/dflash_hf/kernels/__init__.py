@@ -1,7 +1,7 @@
 """Triton kernels for the hot paths of block drafting, shipped as a Hugging Face kernel-Hub package.
 
-- `dflash_kernels/`: the kernel package itself, the one source of the Hub repo (see its docstring for the ops) and
-  `dflash_kernels.reference`, the torch definition of each op.
+- `dflash_kernels/`: the kernel package itself, the one source of the Hub repo (see its docstring for the ops).
+- `reference`: the torch definition of each op (the model's own torch code where it computes the same thing).
 - `build.toml`: the kernel's declaration in kernel-builder's format (a no-arch, pure-Triton kernel).
 - `write_hub_repo(dest)`: assemble the Hub kernel repo (build.toml, torch-ext/, build/) from those two
   (`dflash-hf upload kernels`).
@@ -12,7 +12,6 @@
 Importing this package does not import triton; the kernels load on first use.
 """
 
-import importlib.util
 import logging
 from types import ModuleType
 
@@ -22,18 +21,11 @@ from .hub import KERNEL_SOURCE, VARIANTS, shipped_kernel_repo, source_digest, wr
 
 logger = logging.getLogger(__name__)
 
-_reference: ModuleType | None = None
-
-
 def reference_ops() -> ModuleType:
-    """The torch references, loaded from their file so that this works without triton."""
-    global _reference
-    if _reference is None:
-        spec = importlib.util.spec_from_file_location("dflash_hf_kernel_reference", KERNEL_SOURCE / "reference.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _reference = module
-    return _reference
+    """The torch references (importing them needs no triton)."""
+    from . import reference
+
+    return reference
 
 
 def ops_for(device: torch.device | str, mode: str | None = None) -> ModuleType:

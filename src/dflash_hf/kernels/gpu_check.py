@@ -216,7 +216,8 @@ def main(argv=None) -> int:
         device, shapes, runs = torch.device("cuda"), FULL, args.runs
     started = time.perf_counter()
     ops = load_ops(args.source)
-    ref = ops.reference
+    from . import reference as ref
+
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"device: {name}  torch {torch.__version__}  kernels from {args.source}  (median of {runs} runs, ms)")
     header = f"{'op':<22} {'shape':<40} {'dtype':<9} {'ok':<4} {'max err':>9} {'kernel':>9} {'torch':>9} {'x':>6}"

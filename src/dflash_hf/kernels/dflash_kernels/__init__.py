@@ -2,7 +2,8 @@
 
 A Hugging Face kernel-Hub package (stdlib, torch and triton only; relative imports), loaded with
 `kernels.get_kernel("<org>/dflash-kernels", version=1)` or `kernels.get_local_kernel(<repo folder>)`. Every op has a
-torch reference of the same signature in `reference`, which defines what the op computes. On the CPU the kernels run
+torch reference of the same signature in `dflash_hf.kernels.reference` (outside this package: it calls the model's own
+torch code), which defines what the op computes. On the CPU the kernels run
 under `TRITON_INTERPRET=1` (half-precision inputs are computed in fp32 there).
 
 Ops:
@@ -14,12 +15,11 @@ Ops:
                 conf_with_markov, return_logits) -> (ids, logits, confidence, survival)
 """
 
-from . import reference
 from ._custom_ops import NAMESPACE, context_kv, markov_walk, rms_norm, verify_greedy, verify_rejection
 
 # The Hub branch `v{API_VERSION}` carries this API; bump both when a signature or a result changes meaning.
 API_VERSION = 1
 OPS = ("rms_norm", "context_kv", "verify_greedy", "verify_rejection", "markov_walk")
 
-__all__ = ["API_VERSION", "NAMESPACE", "OPS", "context_kv", "markov_walk", "reference", "rms_norm", "verify_greedy",
+__all__ = ["API_VERSION", "NAMESPACE", "OPS", "context_kv", "markov_walk", "rms_norm", "verify_greedy",
            "verify_rejection"]

@@ -1,25 +1,16 @@
-"""Torch references of every kernel, with the kernels' own signatures.
+"""Torch references of every kernel, with the kernels' own signatures: the torch path of `ops_for`, and what the
+kernels are tested against (here and by `gpu_check`).
 
-They are the specification: the same math (and the same rounding points) as `modeling_dflash.py`, and what the
-kernels are tested against. Randomness enters only through the uniforms passed in, so results are deterministic.
+Where the model computes the same thing, the reference calls the model's own function (`rms_norm`, `apply_rope`,
+`markov_walk` of `modeling_dflash.py`), so the kernels are held to the math generation and training run. Randomness
+enters only through the uniforms passed in, so results are deterministic. Not part of the Hub kernel package, which
+may import nothing but torch and triton.
 """
 
 import torch
 import torch.nn.functional as F
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`DFlashRMSNorm`: normalise in fp32, round back to the input dtype, then scale."""
-    dtype = x.dtype
-    hidden = x.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + eps)
-    return weight * hidden.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+from ..modeling_dflash import apply_rope, markov_walk as model_markov_walk, rms_norm
 
 
 def context_kv(
@@ -46,7 +37,7 @@ def context_kv(
         v = F.linear(x, v_weight[layer], None if v_bias is None else v_bias[layer])
         k = rms_norm(k.view(batch, length, -1, head_dim), norm_weight[layer], eps).transpose(1, 2)
         v = v.view(batch, length, -1, head_dim).transpose(1, 2)
-        keys.append(k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1))
+        keys.append(apply_rope(k, cos, sin))
         values.append(v)
     return torch.stack(keys), torch.stack(values)
 
@@ -127,7 +118,7 @@ def markov_walk(
     conf_with_markov: bool,
     return_logits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DSpark's left-to-right walk over one block with the vanilla Markov head (`DSparkDraftModel._markov_walk`).
+    """DSpark's left-to-right walk over one block with the vanilla Markov head (`modeling_dflash.markov_walk`).
 
     base_logits: [B, n, Vd] fp32 draft-vocabulary logits; hidden: [B, n, Hd]; anchor_ids: [B] target ids;
     w1: [V, r] and w2: [Vd, r] Markov weights (None: no Markov bias); d2t: [Vd] offsets of a pruned vocabulary
@@ -138,43 +129,31 @@ def markov_walk(
     return_logits), confidence [B, n] = sigmoid(conf([h_k ; W1[prev_k]])) and survival [B, n] (its running product),
     both empty without a confidence head.
     """
-    batch, num, _ = base_logits.shape
-    prev = anchor_ids
-    survival = torch.ones(batch, dtype=torch.float32, device=base_logits.device)
-    ids, slot_logits, confidence, survivals = [], [], [], []
-    for k in range(num):
-        logits_k = base_logits[:, k].float()
-        features = hidden[:, k]
-        e = None
-        if w1 is not None:
-            e = F.embedding(prev, w1)
-            logits_k = logits_k + F.linear(e, w2).float()
-            if conf_with_markov:
-                features = torch.cat([features, e], -1)
-        if conf_weight is not None:
-            conf = torch.sigmoid(F.linear(features, conf_weight[None], conf_bias)[..., 0].float())
-            survival = survival * conf
-            confidence.append(conf)
-            survivals.append(survival)
+    batch, num, vocab = base_logits.shape
+
+    def markov(prev, hidden_k, state):
+        embedded = F.embedding(prev, w1)
+        return F.linear(embedded, w2), state, embedded
+
+    def confidence(features):
+        return F.linear(features, conf_weight[None], conf_bias)[..., 0]
+
+    def choose(k, logits_k):
         logits_k = logits_k / temperature
         if uniforms is None:
             pick = logits_k.argmax(-1)
         else:
-            weights = torch.exp(logits_k - logits_k.amax(-1, keepdim=True))
-            pick = inverse_cdf(weights, uniforms[:, k])
-        prev = pick + d2t[pick] if d2t is not None else pick
-        ids.append(prev)
-        slot_logits.append(logits_k)
-    empty = base_logits.new_zeros(0)
-    if not return_logits:
-        logits = empty
-    elif num:
-        logits = torch.stack(slot_logits, 1)
-    else:
-        logits = base_logits.new_zeros(batch, 0, base_logits.shape[-1])
-    return (
-        torch.stack(ids, 1) if ids else anchor_ids.new_zeros(batch, 0),
-        logits,
-        torch.stack(confidence, 1) if confidence else empty,
-        torch.stack(survivals, 1) if survivals else empty,
+            pick = inverse_cdf(torch.exp(logits_k - logits_k.amax(-1, keepdim=True)), uniforms[:, k])
+        return (pick + d2t[pick] if d2t is not None else pick), logits_k if return_logits else None
+
+    ids, logits, conf_logits = model_markov_walk(
+        base_logits.float(), hidden, anchor_ids, None if w1 is None else markov,
+        None if conf_weight is None else confidence, conf_with_markov, choose,
     )
+    empty = base_logits.new_zeros(0)
+    if return_logits and logits is None:
+        logits = base_logits.new_zeros(batch, 0, vocab)
+    if conf_logits is None:
+        return ids, logits if return_logits else empty, empty, empty
+    conf = torch.sigmoid(conf_logits.float())
+    return ids, logits if return_logits else empty, conf, conf.cumprod(1)
