@@ -84,13 +84,16 @@ def tiny_dflash_draft(seed: int = 0, num_layers: int = 2, layer_ids=(0, 2), own_
 
 def tiny_dspark_draft(seed: int = 0, head_type: str = "vanilla", markov_rank: int = 4, confidence: bool = True,
                       with_markov: bool = True, draft_vocab_size: int | None = None, sample_from_anchor: bool = True,
-                      own_embeddings: bool = True, dtype=torch.bfloat16) -> DSparkDraftModel:
+                      own_embeddings: bool = True, own_head: bool | None = None,
+                      dtype=torch.bfloat16) -> DSparkDraftModel:
+    """own_embeddings: the draft has its own embedding and (unless own_head says otherwise) its own lm_head."""
     torch.manual_seed(seed)
     config = DSparkConfig(**TINY, num_hidden_layers=1, num_target_layers=TINY_TARGET_LAYERS, target_layer_ids=[1, 2],
                           markov_rank=markov_rank, markov_head_type=head_type, enable_confidence_head=confidence,
                           confidence_head_with_markov=with_markov and markov_rank > 0,
                           draft_vocab_size=draft_vocab_size, sample_from_anchor=sample_from_anchor,
-                          shares_target_embeddings=not own_embeddings)
+                          shares_target_input_embedding=not own_embeddings,
+                          shares_target_lm_head=not (own_embeddings if own_head is None else own_head))
     draft = _randomize(DSparkDraftModel(config))
     if draft_vocab_size is not None and draft_vocab_size < config.vocab_size:
         draft.set_vocab_mapping(*_pruned_maps(config.vocab_size, draft_vocab_size, seed))
@@ -266,6 +269,30 @@ def speculators_tensors(draft) -> dict:
 def write_speculators(folder, draft, verifier: str | None, legacy: bool = False, verifier_architectures=()) -> Path:
     return write_folder(folder, speculators_config(draft, verifier, legacy, verifier_architectures),
                         speculators_tensors(draft))
+
+
+def speculators_090_dspark_draft(seed: int = 0, dtype=torch.bfloat16) -> DSparkDraftModel:
+    """A DSpark draft as speculators 0.9.0 trains it: a pruned vocabulary with its own lm_head (the kept rows), the
+    verifier's embedding borrowed, and speculators' defaults (sample_from_anchor, vanilla Markov head, confidence
+    head reading it). TINY shapes, so it fits the tiny targets of `tiny.py` and can generate."""
+    return tiny_dspark_draft(seed=seed, draft_vocab_size=40, sample_from_anchor=True, own_embeddings=False,
+                             own_head=True, dtype=dtype)
+
+
+def speculators_090_tensors(draft) -> dict:
+    """speculators 0.9.0's save rule (`_keys_to_ignore_on_save`): never `embed_tokens` (the verifier's is borrowed,
+    as vLLM does), `lm_head` only for a pruned vocabulary (a full one is the verifier's head, borrowed too)."""
+    tensors = speculators_tensors(draft)
+    tensors.pop("embed_tokens.weight", None)
+    if not getattr(draft.config, "drafts_pruned_vocab", False):
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def write_speculators_090(folder, draft, verifier: str | None, verifier_architectures=()) -> Path:
+    """The checkpoint speculators 0.9.0 itself writes; `draft` must borrow what it drops (see the two above)."""
+    return write_folder(folder, speculators_config(draft, verifier, verifier_architectures=verifier_architectures),
+                        speculators_090_tensors(draft))
 
 
 def deepspec_config(draft) -> dict:

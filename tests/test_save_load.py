@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModel
 
 import dflash_hf
 from dflash_hf import REMOTE_CODE_FILES, DFlashConfig, DFlashContextCache, DSparkConfig, DSparkDraftModel
-from tiny import random_dflash, random_dspark, tiny_target
+from tiny import assert_same_logits, random_dflash, random_dspark, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_target_layers=6)
@@ -91,8 +91,9 @@ def test_save_load_round_trip(tmp_path, kind):
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(draft)
     a, b = proposals(draft, target), proposals(loaded, target)
+    # Same weights, but the loaded ones live in other memory: equal to a few ulp (see `assert_same_logits`).
     assert torch.equal(a.draft_ids, b.draft_ids)
-    assert torch.equal(a.draft_logits, b.draft_logits)
+    assert_same_logits(b.draft_logits, a.draft_logits, draft.fc.weight.dtype)
 
 
 def test_pruned_vocabulary_survives_save(tmp_path):
@@ -104,7 +105,7 @@ def test_pruned_vocabulary_survives_save(tmp_path):
     draft.set_vocab_mapping(kept - torch.arange(40), t2d)
     draft.save_pretrained(tmp_path)
     loaded = AutoModel.from_pretrained(tmp_path)
-    assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
+    assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)  # integer maps, copied
     assert torch.equal(proposals(draft, target).draft_ids, proposals(loaded, target).draft_ids)
 
 

@@ -4,6 +4,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DSparkConfig, DSparkDraftModel
+from dflash_hf import DFlash2Config, DFlash2DraftModel
 
 VOCAB = 96
 EOS = 2
@@ -54,6 +55,21 @@ def random_dspark(target, seed: int = 0, markov_rank: int = 4, markov_head_type:
     return DSparkDraftModel(config).eval()
 
 
+def random_dflash2(target, seed: int = 0, conv_kernel_size: int = 2, conv_group_size: int = 8, selector_rank: int = 8,
+                   selector_top_k: int = 4, spread: float = 0.5, **kwargs) -> DFlash2DraftModel:
+    """A DFlash 2 draft with its convolutions and selector moved off their initialisation (identity convolutions and
+    near-zero codebooks would make it a DFlash draft), so tests exercise them."""
+    torch.manual_seed(seed)
+    config = DFlash2Config(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                           selector_rank=selector_rank, selector_top_k=selector_top_k, **draft_fields(target, **kwargs))
+    draft = DFlash2DraftModel(config).eval()
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "_conv." in name or "candidate_selector." in name:
+                param.add_(torch.randn_like(param) * spread)
+    return draft
+
+
 def make_successor_target(model, seed: int = 11):
     """Make the greedy next token `(current + 1) mod vocab`, whatever the architecture: every attention output and
     MLP/expert down projection is zeroed (the layers add nothing to the residual stream), the embedding rows are
@@ -83,3 +99,17 @@ def oracle_dspark(target, block_size: int, wrong_after=(), layer_ids=None) -> DS
             successor[:, token] = torch.roll(successor[:, token], 1)
         draft.markov_head.markov_w2.weight.copy_(successor * 1000)
     return draft
+
+
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Outputs of two drafts holding the same weights, equal to within 8 ulp of their compute `dtype`, relative to
+    the largest magnitude in `want`.
+
+    Equal bits do not give equal sums: a draft loaded from safetensors keeps its weights inside the file's buffer
+    (4- to 32-byte aligned, where a fresh allocation is 64-byte aligned), and CPU BLAS chooses its vectorised loop, so
+    the order of a dot product's partial sums, by operand alignment. On an AMD EPYC without AMX that moves float32
+    logits by one ulp. A rounding changed in one layer is carried a few ulp further by the layers and norms after it;
+    a wrong convention (layer ids, Markov input order, vocabulary map) moves logits by their whole scale.
+    """
+    atol = 8 * torch.finfo(dtype).eps * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)

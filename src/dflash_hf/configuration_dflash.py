@@ -23,6 +23,20 @@ def _invalid(field: str, value, expected: str) -> ValueError:
     return ValueError(f"Invalid draft config: `{field}` = {value!r}, expected {expected}.")
 
 
+# Fields a saved config must state, with what each means: no default is right for every draft, and a wrong one
+# still loads and drafts garbage. (`target_layer_ids` may be left out: it follows from `num_target_layers`, as in
+# z-lab's code. Layer fields keep Qwen3's defaults, as Qwen3Config does; a wrong one shows as a shape mismatch.)
+DFLASH_REQUIRED_FIELDS = {
+    "block_size": "ids per drafted block, as the draft was trained",
+    "mask_token_id": "the id the draft was trained to read in the masked block slots",
+    "num_target_layers": "the target's decoder layer count (`target_layer_ids` default from it)",
+}
+DSPARK_REQUIRED_FIELDS = {
+    **DFLASH_REQUIRED_FIELDS,
+    "sample_from_anchor": "false: slot 0 is the anchor (DFlash layout); true: every slot predicts the next token",
+}
+
+
 class DFlashConfig(PretrainedConfig):
     r"""Configuration of a DFlash draft: a few Qwen3-style layers reading the target's hidden states.
 
@@ -34,7 +48,11 @@ class DFlashConfig(PretrainedConfig):
             decoder layer `t`, i.e. `output_hidden_states[t + 1]`.
         block_size: ids per drafted block (`[anchor, MASK, ...]`).
         mask_token_id: the id filling the non-anchor block slots; any id inside `vocab_size`.
-        shares_target_embeddings: the draft has no embedding or lm_head of its own and borrows the target's.
+        shares_target_input_embedding: the draft has no input embedding of its own and borrows the target's.
+        shares_target_lm_head: the draft has no lm_head of its own and borrows the target's (the kept rows of it,
+            for a pruned vocabulary). speculators 0.9.0 ships a pruned lm_head but borrows the embedding.
+        shares_target_embeddings: the earlier single flag, still read: both of the above at once. Reading it back
+            tells whether the draft borrows both.
         use_kernels: "auto" (Triton kernels on CUDA when they load, else torch), "1" (kernels or an error) or "0"
             (torch only); the environment variable DFLASH_KERNELS overrides it. None = "auto".
         sliding_window_causal: sliding-window layers are causal inside the block (the engines' default); full
@@ -70,7 +88,9 @@ class DFlashConfig(PretrainedConfig):
         target_layer_ids: list[int] | None = None,
         block_size: int = 16,
         mask_token_id: int = 0,
-        shares_target_embeddings: bool = True,
+        shares_target_input_embedding: bool | None = None,
+        shares_target_lm_head: bool | None = None,
+        shares_target_embeddings: bool | None = None,
         use_kernels: str | None = None,
         tie_word_embeddings: bool = False,
         **kwargs,
@@ -102,7 +122,7 @@ class DFlashConfig(PretrainedConfig):
         self.target_layer_ids = [int(t) for t in target_layer_ids]
         self.block_size = block_size
         self.mask_token_id = mask_token_id
-        self.shares_target_embeddings = shares_target_embeddings
+        self._set_sharing(shares_target_input_embedding, shares_target_lm_head, shares_target_embeddings)
         self.use_kernels = use_kernels
         # One home for RoPE: a standardized `rope_parameters` dict, whatever the checkpoint called it.
         rope = dict(rope_parameters or rope_scaling or {})
@@ -114,6 +134,41 @@ class DFlashConfig(PretrainedConfig):
         # Ours first: transformers' own validators raise less specific errors for some of the same fields.
         self.validate_draft()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def _set_sharing(self, embedding: bool | None, head: bool | None, both: bool | None) -> None:
+        """The two sharing flags, given or taken from the earlier single flag (all that older saved configs carry)."""
+        for field, value in (("shares_target_input_embedding", embedding), ("shares_target_lm_head", head)):
+            if both is not None and value is not None and value != both:
+                raise _invalid(field, value, f"the same as `shares_target_embeddings` ({both}) when both are given")
+        default = True if both is None else both
+        self.shares_target_input_embedding = default if embedding is None else embedding
+        self.shares_target_lm_head = default if head is None else head
+
+    @property
+    def shares_target_embeddings(self) -> bool:
+        """True when the draft borrows both the target's embedding and lm_head (the earlier flag's meaning)."""
+        return self.shares_target_input_embedding and self.shares_target_lm_head
+
+    @shares_target_embeddings.setter
+    def shares_target_embeddings(self, value: bool) -> None:
+        self.shares_target_input_embedding = self.shares_target_lm_head = value
+
+    required_fields = DFLASH_REQUIRED_FIELDS
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As transformers', but a config read from a checkpoint must state the fields no default can stand in for
+        (`DFlashConfig()` itself keeps its defaults: transformers builds bare configs internally)."""
+        missing = [field for field in cls.required_fields if field not in config_dict and field not in kwargs]
+        if missing:
+            hints = "; ".join(f"`{field}`: {cls.required_fields[field]}" for field in missing)
+            raise ValueError(
+                f"The {cls.model_type} draft config (config.json) has no {', '.join(f'`{f}`' for f in missing)}. "
+                f"No default is right for every draft; add the value the draft was trained with ({hints})."
+            )
+        # Given as overrides, they must reach __init__ (validation, derived layer ids), not be set afterwards.
+        config_dict = {**config_dict, **{field: kwargs.pop(field) for field in cls.required_fields if field in kwargs}}
+        return super().from_dict(config_dict, **kwargs)
 
     def validate_draft(self) -> None:
         """Reject configurations that would load but compute something wrong; the message names the field."""
@@ -156,6 +211,9 @@ class DFlashConfig(PretrainedConfig):
         for layer_type in self.layer_types:
             if layer_type not in ALLOWED_LAYER_TYPES:
                 raise _invalid("layer_types", self.layer_types, f"entries from {ALLOWED_LAYER_TYPES}")
+        for field in ("shares_target_input_embedding", "shares_target_lm_head"):
+            if not isinstance(getattr(self, field), bool):
+                raise _invalid(field, getattr(self, field), "true or false")
         if "sliding_attention" in self.layer_types and not (
             isinstance(self.sliding_window, int) and self.sliding_window > 0
         ):
@@ -188,6 +246,7 @@ class DSparkConfig(DFlashConfig):
     """
 
     model_type = "dspark"
+    required_fields = DSPARK_REQUIRED_FIELDS
 
     def __init__(
         self,

@@ -6,16 +6,22 @@ is our `a - 1`), config keys, RoPE spelling, anchor layout, vocabulary maps and 
 projection. All of that is converted once, here, so the model classes know a single convention.
 
 Loading builds the model on the meta device and assigns the checkpoint's tensors, so a large draft never exists
-twice in memory; every check (tensor names, shapes, vocabulary maps, layer ids) runs before the model is filled, so
-a bad checkpoint raises and nothing is half-loaded. Exports are written to a temporary folder beside the
-destination and renamed into place.
+twice in memory; every check (required config fields, tensor names, shapes, finite values, vocabulary maps, layer
+ids) runs before the model is filled, so a bad checkpoint raises and nothing is half-loaded. Exports are written to a
+temporary folder beside the destination and renamed into place; one a killed export left behind is removed by the
+next export to the same destination (`atomic_folder`).
 """
 
+import glob
 import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +34,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from .configuration_dflash import DFlashConfig, DSparkConfig
-from .modeling_dflash import DFlashDraftModel, DSparkDraftModel, check_vocab_mapping
+from .modeling_dflash import DFlashDraftModel, DSparkDraftModel, check_finite_weights, check_vocab_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,13 @@ TRAINING_ONLY_TENSORS = {
 UNSUPPORTED_DFLASH_CONFIG_KEYS = ("attention_sink_bias", "attention_value_scale", "projector_type")
 
 FOLDER_MODE = 0o777  # before the umask, as mkdir would
+# Inside each export's temporary folder while it is written: who writes it, so a later export can prove a leftover
+# folder is a dead export's and remove it (`_remove_stale_partials`).
+PARTIAL_MARKER = ".dflash-hf-partial.json"
+PARTIAL_WRITER = "dflash-hf export"
+# A partial this old is stale even when its writer cannot be checked (another host, or a pid reused since): an export
+# writes one draft, minutes even at Kimi-K2.6 size, so nothing is still writing it a day later.
+STALE_PARTIAL_SECONDS = 24 * 3600
 
 LOAD_OPTIONS = ("dtype", "torch_dtype", "device", "revision", "cache_dir", "token", "local_files_only",
                 "trust_remote_code", "num_target_layers")
@@ -243,6 +256,15 @@ def _check_layer_ids(context: str, field_name: str, raw_ids, ours: list[int], nu
         )
 
 
+def _require(fields: dict, dialect: str, note: str = "") -> None:
+    """Raise naming every required config field that is absent or null: no default is right for every draft, and a
+    wrong one loads and drafts garbage silently."""
+    missing = [f"`{name}`" for name, value in fields.items() if value is None]
+    if missing:
+        raise ValueError(f"{CONFIG_NAME} has no {', '.join(missing)}{note}, which a {dialect} draft config must "
+                         "state; add the values the draft was trained with.")
+
+
 def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPlan:
     dflash = raw["dflash_config"]
     unsupported = [key for key in UNSUPPORTED_DFLASH_CONFIG_KEYS
@@ -258,10 +280,9 @@ def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPl
     fields["sliding_window_causal"] = bool(dflash.get("causal", not dflash.get("use_swa", False)))
     num_target_layers = _recorded_layer_count(raw.get("num_target_layers"), overrides, context)
     block_size = raw.get("block_size", dflash.get("block_size"))
-    if block_size is None:
-        raise ValueError(f"{context}: no `block_size` (looked at the top level and in dflash_config).")
-    if dflash.get("mask_token_id") is None:
-        raise ValueError(f"{context}: dflash_config has no `mask_token_id`; the draft cannot fill its block.")
+    # z-lab's own code derives `target_layer_ids` from `num_target_layers` when dflash_config has none; so do we.
+    _require({"block_size": block_size, "dflash_config.mask_token_id": dflash.get("mask_token_id")}, dialect,
+             " (block_size: at the top level or in dflash_config)" if block_size is None else "")
     target_layer_ids = dflash.get("target_layer_ids")
     if target_layer_ids is not None:
         _check_layer_ids(context, "dflash_config.target_layer_ids", target_layer_ids, list(target_layer_ids),
@@ -273,7 +294,8 @@ def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPl
         target_layer_ids=target_layer_ids,
         block_size=block_size,
         mask_token_id=dflash["mask_token_id"],
-        shares_target_embeddings=True,
+        shares_target_input_embedding=True,
+        shares_target_lm_head=True,
     )
     return LoadPlan(dialect, config, ignored=set(TRAINING_ONLY_TENSORS[dialect]))
 
@@ -281,8 +303,8 @@ def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPl
 def _recorded_layer_count(recorded, overrides: dict, context: str) -> int:
     requested = overrides.get("num_target_layers")
     if recorded is None and requested is None:
-        raise ValueError(f"{context}: the checkpoint does not record `num_target_layers`; pass num_target_layers=N "
-                         "(the target's decoder layer count).")
+        raise ValueError(f"{context}: {CONFIG_NAME} has no `num_target_layers` (the target's decoder layer count, "
+                         "which checks the target layer ids, or gives them when absent); pass num_target_layers=N.")
     if recorded is not None and requested is not None and int(requested) != int(recorded):
         raise ValueError(f"{context}: num_target_layers={requested} was requested but the checkpoint records "
                          f"{recorded}.")
@@ -320,16 +342,15 @@ def _verifier_config(name_or_path: str, hub_options: dict) -> dict | None:
         return None
 
 
-def _embedding_plan(names: set[str], context: str) -> bool:
-    """Whether the draft borrows the target's embeddings: it does when the checkpoint ships neither table."""
-    has = {name: name in names for name in ("embed_tokens.weight", "lm_head.weight")}
-    if all(has.values()):
-        return False
-    if not any(has.values()):
-        return True
-    absent = [name for name, present in has.items() if not present]
-    raise ValueError(f"{context}: missing tensors: {', '.join(absent)} (a draft either ships both its embedding "
-                     "and lm_head or borrows both from the target).")
+def _embedding_plan(names: set[str], context: str) -> dict[str, bool]:
+    """What the draft borrows from the target: each table the checkpoint does not ship. speculators 0.9.0 ships a
+    pruned lm_head and never the embedding (the verifier's is borrowed, as vLLM does); no dialect ships an embedding
+    without a head, so that is a file missing its `lm_head`."""
+    embedding, head = "embed_tokens.weight" in names, "lm_head.weight" in names
+    if embedding and not head:
+        raise ValueError(f"{context}: missing tensors: lm_head.weight (a draft that ships its embedding ships its "
+                         "lm_head too).")
+    return {"shares_target_input_embedding": not embedding, "shares_target_lm_head": not head}
 
 
 def _identity_vocab_fills(config: DSparkConfig) -> dict:
@@ -341,21 +362,21 @@ def _speculators_plan(raw: dict, dialect: str, context: str, names: set[str], ov
                       hub_options: dict) -> LoadPlan:
     kind = raw["speculators_model_type"]
     settings = {**SPECULATORS_DEFAULTS[kind], **{k: raw[k] for k in SPECULATORS_DEFAULTS[kind] if k in raw}}
-    layer_config = raw.get("transformer_layer_config")
+    _require({name: raw.get(name) for name in ("transformer_layer_config", "draft_vocab_size", "block_size",
+                                                "aux_hidden_state_layer_ids", "mask_token_id")}, dialect)
+    layer_config = raw["transformer_layer_config"]
     if not isinstance(layer_config, dict):
-        raise ValueError(f"{context}: no `transformer_layer_config` dict.")
+        raise ValueError(f"`transformer_layer_config` is {type(layer_config).__name__}, expected a dict.")
     fields = _layer_fields(layer_config, context)
     fields["sliding_window_causal"] = not raw.get("sliding_window_non_causal", False)
     num_target_layers = _speculators_layer_count(raw, overrides, context, hub_options)
-    aux_ids = raw.get("aux_hidden_state_layer_ids")
+    aux_ids = raw["aux_hidden_state_layer_ids"]
     if not aux_ids:
-        raise ValueError(f"{context}: no `aux_hidden_state_layer_ids`.")
+        raise ValueError(f"`aux_hidden_state_layer_ids` = {aux_ids!r}, expected the ids of the layers the draft reads.")
     target_layer_ids = [int(a) - 1 for a in aux_ids]  # speculators' a reads hidden_states[a]; ours t reads [t + 1]
     _check_layer_ids(context, "aux_hidden_state_layer_ids", aux_ids, target_layer_ids, num_target_layers)
-    if raw.get("mask_token_id") is None:
-        raise ValueError(f"{context}: no `mask_token_id`; the draft cannot fill its block.")
     vocab_size = fields["vocab_size"]
-    draft_vocab_size = int(raw.get("draft_vocab_size") or vocab_size)
+    draft_vocab_size = int(raw["draft_vocab_size"])
     pruned = draft_vocab_size < vocab_size
     if pruned and not {"d2t", "t2d"} <= names:
         absent = sorted({"d2t", "t2d"} - names)
@@ -368,7 +389,7 @@ def _speculators_plan(raw: dict, dialect: str, context: str, names: set[str], ov
         target_layer_ids=target_layer_ids,
         block_size=raw["block_size"],
         mask_token_id=raw["mask_token_id"],
-        shares_target_embeddings=_embedding_plan(names, context),
+        **_embedding_plan(names, context),
         tie_word_embeddings=False,
     )
     ignored = set(TRAINING_ONLY_TENSORS[dialect]) | (set() if pruned else _unpruned_maps(names, vocab_size, context))
@@ -393,6 +414,7 @@ def _unpruned_maps(names: set[str], vocab_size: int, context: str) -> set[str]:
 
 
 def _deepspec_plan(raw: dict, context: str, names: set[str], overrides: dict) -> LoadPlan:
+    _require({name: raw.get(name) for name in ("block_size", "mask_token_id", "target_layer_ids")}, DEEPSPEC)
     fields = _layer_fields(raw, context)
     num_target_layers = _recorded_layer_count(raw.get("num_target_layers"), overrides, context)
     target_layer_ids = [int(t) for t in raw["target_layer_ids"]]
@@ -406,7 +428,7 @@ def _deepspec_plan(raw: dict, context: str, names: set[str], overrides: dict) ->
         target_layer_ids=target_layer_ids,
         block_size=raw["block_size"],
         mask_token_id=raw["mask_token_id"],
-        shares_target_embeddings=_embedding_plan(names, context),
+        **_embedding_plan(names, context),
         tie_word_embeddings=False,
         markov_rank=markov_rank,
         markov_head_type=raw.get("markov_head_type", "vanilla"),
@@ -420,11 +442,12 @@ def _deepspec_plan(raw: dict, context: str, names: set[str], overrides: dict) ->
 
 
 def _ours_plan(raw: dict, context: str, overrides: dict) -> LoadPlan:
+    """The config class checks its own required fields (`from_dict`); a target depth the caller gives fills in."""
     config_class = DSparkConfig if raw.get("model_type") == DSparkConfig.model_type else DFlashConfig
-    _recorded_layer_count(raw.get("num_target_layers"), overrides, context)
+    raw = {**raw, "num_target_layers": _recorded_layer_count(raw.get("num_target_layers"), overrides, context)}
     ids = raw.get("target_layer_ids")
-    if ids is not None and raw.get("num_target_layers") is not None:
-        _check_layer_ids(context, "target_layer_ids", ids, list(ids), int(raw["num_target_layers"]))
+    if ids is not None:
+        _check_layer_ids(context, "target_layer_ids", ids, list(ids), raw["num_target_layers"])
     return LoadPlan(OURS, config_class.from_dict(raw), ignored=set(TRAINING_ONLY_TENSORS[OURS]))
 
 
@@ -542,6 +565,7 @@ def load_draft(path_or_repo_id, **from_pretrained_kwargs) -> DFlashDraftModel:
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     names = _check_tensors(plan, expected, headers, context)
     state = _read_tensors(plan, names, headers, dtype, device)
+    check_finite_weights(state, lambda name: str(headers[name][0]) if name in headers else f"{context} (filled in)")
     if isinstance(plan.config, DSparkConfig):
         try:
             check_vocab_mapping(state["d2t"], state["t2d"], plan.config.draft_vocab_size, plan.config.vocab_size)
@@ -567,16 +591,62 @@ def _umask() -> int:
     return mask
 
 
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # no harmless liveness probe (os.kill(pid, 0) signals on Windows): rely on the age
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
+def _is_stale_partial(folder: Path, dst: Path) -> bool:
+    """Whether `folder` is provably an export to `dst` whose writer is gone: its marker names our writer and `dst`,
+    and the writer's pid is dead on this host, or the marker is older than STALE_PARTIAL_SECONDS."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    try:
+        marker = json.loads((folder / PARTIAL_MARKER).read_text())
+        pid, host, started = int(marker["pid"]), str(marker["host"]), float(marker["started"])
+        if marker["writer"] != PARTIAL_WRITER or marker["destination"] != dst.name:
+            return False
+    except (OSError, ValueError, TypeError, KeyError):
+        return False  # no marker, or not ours: never touched
+    if time.time() - started > STALE_PARTIAL_SECONDS:
+        return True
+    return host == socket.gethostname() and not _pid_alive(pid)
+
+
+def _remove_stale_partials(dst: Path) -> None:
+    """Remove the temporary folders that killed exports to `dst` left (SIGKILL runs no cleanup), and nothing else."""
+    for folder in dst.parent.glob(f".{glob.escape(dst.name)}.*.partial"):
+        if _is_stale_partial(folder, dst):
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.info("Removed %s, left by an export to %s that did not finish.", folder, dst)
+
+
 @contextmanager
 def atomic_folder(dst, overwrite: bool = False):
-    """Yield a temporary folder beside `dst`; on success it replaces `dst` by rename, on failure it vanishes."""
+    """Yield a temporary folder beside `dst`; on success it replaces `dst` by rename, on failure it vanishes.
+
+    The folder holds a marker (writer, pid, host, start time) until the rename, so a later call for the same `dst`
+    can remove what a killed run left, and only that.
+    """
     dst = Path(dst)
     if dst.exists() and not overwrite and (dst.is_file() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} exists and is not empty; pass overwrite=True (--overwrite) to replace it.")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(dst)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
+        marker = {"writer": PARTIAL_WRITER, "destination": dst.name, "pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.time()}
+        (staging / PARTIAL_MARKER).write_text(json.dumps(marker))
         yield staging
+        (staging / PARTIAL_MARKER).unlink()
         staging.chmod(FOLDER_MODE & ~_umask())  # mkdtemp makes it private; the result is an ordinary folder
         if dst.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
@@ -670,7 +740,7 @@ def speculators_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     config = model.config
     state = dict(model.state_dict())
     if isinstance(config, DSparkConfig):
-        if config.drafts_pruned_vocab and config.shares_target_embeddings:
+        if config.drafts_pruned_vocab and config.shares_target_lm_head:
             raise ValueError("A pruned-vocabulary draft that borrows the target's lm_head cannot be exported to "
                              "speculators: vLLM needs the draft's own head rows. Load it with its own lm_head.")
         if not config.drafts_pruned_vocab:
@@ -719,7 +789,7 @@ def zlab_config(model: DFlashDraftModel) -> dict:
 def zlab_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     if isinstance(model, DSparkDraftModel):
         raise ValueError("The z-lab format holds DFlash drafts only; export a DSpark draft with to='speculators'.")
-    if not model.config.shares_target_embeddings:
+    if not model.config.shares_target_embeddings:  # borrows both
         raise ValueError("The z-lab format has no embedding or lm_head (the target's are borrowed), but this draft "
                          "has its own; export it with to='speculators'.")
     return dict(model.state_dict())
@@ -775,7 +845,30 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run_convert)
 
 
+@contextmanager
+def _sigterm_exits():
+    """SIGTERM (a job scheduler's stop, `kill`) raises SystemExit, so `atomic_folder` removes its partial folder
+    at once, as on Ctrl-C; Python's default would die without cleaning up. Only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_convert(args) -> int:
+    with _sigterm_exits():
+        return _convert(args)
+
+
+def _convert(args) -> int:
     folder = resolve_checkpoint(args.src)
     raw = read_config(folder)
     dialect = detect_dialect(raw, str(folder / CONFIG_NAME))

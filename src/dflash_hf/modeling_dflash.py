@@ -10,9 +10,11 @@ states -> per-layer context K/V), `layer_attention_mask` (sliding windows over a
 (DSpark's left-to-right walk, sampled or teacher-forced).
 """
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +172,10 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the attention reads of the block's residual stream (its queries and the block's own K/V)."""
+        return self.input_layernorm(x)
+
     def forward(self, x, cos, sin, context_kv, attention_mask, block_kv=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -318,13 +324,15 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """As transformers', but a checkpoint that does not fill the model exactly is an error, not a warning:
-        a draft with re-initialised tensors would silently propose garbage."""
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """As transformers', but a checkpoint that does not fill the model exactly, holds NaN/inf weights or (DSpark)
+        inconsistent vocabulary maps is an error naming the file and tensors, and the model is never returned:
+        loaded, it would propose garbage silently or fail later, deep inside generate."""
         want_info = kwargs.pop("output_loading_info", False)
         # Let loading finish so the report below can name every offending tensor; we raise on any mismatch anyway.
         kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        source = str(pretrained_model_name_or_path)
         problems = [
             f"{label}: {', '.join(sorted(str(k) for k in info.get(key) or []))}"
             for key, label in (
@@ -335,7 +343,14 @@ class DFlashPreTrainedModel(PreTrainedModel):
             if info.get(key)
         ]
         if problems:
-            raise ValueError(f"The checkpoint does not match the {cls.__name__} its config describes; " + "; ".join(problems))
+            raise ValueError(f"{source} does not match the {cls.__name__} its config describes; " + "; ".join(problems))
+        state = model.state_dict()
+        check_finite_weights(state, lambda name: _weights_file(source, name))
+        if "d2t" in state and "t2d" in state:
+            try:
+                check_vocab_mapping(state["d2t"], state["t2d"], model.config.draft_vocab_size, model.config.vocab_size)
+            except ValueError as error:
+                raise ValueError(f"{_weights_file(source, 'd2t')}: {error}") from error
         return (model, info) if want_info else model
 
     @torch.no_grad()
@@ -358,15 +373,18 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     them once (`fc` + `hidden_norm`) and keeps their K/V per layer in a `DFlashContextCache`.
     """
 
+    decoder_layer_class = DFlashDecoderLayer  # a subclass may swap the layer (DFlash 2 wraps its sublayers)
+
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
-        if not config.shares_target_embeddings:
+        if not config.shares_target_input_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if not config.shares_target_lm_head:
             self.lm_head = nn.Linear(config.hidden_size, self._head_vocab_size(), bias=False)
         # Borrowed from the target by `bind_target`; plain attributes so they are neither saved nor moved.
         self._target_embedding: torch.Tensor | None = None
@@ -393,46 +411,53 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     # -- embeddings borrowed from the target ---------------------------------------------------------------------------
 
     def bind_target(self, target: PreTrainedModel) -> None:
-        """Borrow the target's input embedding and lm_head when the checkpoint has none of its own."""
-        if not self.config.shares_target_embeddings:
-            return
-        embedding, head = target.get_input_embeddings(), target.get_output_embeddings()
-        if embedding is None or head is None:
-            raise ValueError(
-                f"The draft borrows the target's embedding and lm_head, but {type(target).__name__} exposes "
-                f"input embeddings={type(embedding).__name__} and output embeddings={type(head).__name__}."
-            )
-        embedding_weight, head_weight = materialized_weight(embedding), materialized_weight(head)
-        for name, weight in (("embedding", embedding_weight), ("lm_head", head_weight)):
-            if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+        """Borrow the target's input embedding and/or lm_head, whichever the checkpoint has none of its own of."""
+        borrowed = {
+            "embedding": (self.config.shares_target_input_embedding, target.get_input_embeddings),
+            "lm_head": (self.config.shares_target_lm_head, target.get_output_embeddings),
+        }
+        weights = {}
+        for name, (shared, getter) in borrowed.items():
+            if not shared:
+                continue
+            module = getter()
+            if module is None:
+                raise ValueError(f"The draft borrows the target's {name}, but {type(target).__name__} exposes none.")
+            weights[name] = materialized_weight(module)
+            if tuple(weights[name].shape) != (self.config.vocab_size, self.config.hidden_size):
                 raise ValueError(
-                    f"The target's {name} has shape {tuple(weight.shape)}, the draft expects "
+                    f"The target's {name} has shape {tuple(weights[name].shape)}, the draft expects "
                     f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})."
                 )
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        self._target_embedding = embedding_weight.to(device=device, dtype=dtype)
-        self._target_head = self._select_head_rows(head_weight.to(device=device, dtype=dtype))
+        if "embedding" in weights:
+            self._target_embedding = weights["embedding"].to(device=device, dtype=dtype)
+        if "lm_head" in weights:
+            self._target_head = self._select_head_rows(weights["lm_head"].to(device=device, dtype=dtype))
 
     def _select_head_rows(self, head: torch.Tensor) -> torch.Tensor:
         return head
 
     def embedding_weight(self) -> torch.Tensor:
-        if not self.config.shares_target_embeddings:
+        if not self.config.shares_target_input_embedding:
             return self.embed_tokens.weight
         if self._target_embedding is None:
-            raise RuntimeError("This draft borrows the target's embeddings: call `draft.bind_target(target)` first.")
+            raise RuntimeError("This draft borrows the target's embedding: call `draft.bind_target(target)` first.")
         return self._target_embedding
 
     def head_weight(self) -> torch.Tensor:
-        if not self.config.shares_target_embeddings:
+        if not self.config.shares_target_lm_head:
             return self.lm_head.weight
         if self._target_head is None:
             raise RuntimeError("This draft borrows the target's lm_head: call `draft.bind_target(target)` first.")
         return self._target_head
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Raw lookup in the (target's) table: no embedding scale or norm the target may apply."""
-        return F.embedding(ids, self.embedding_weight())
+        """Raw lookup in the (target's) table: no embedding scale or norm the target may apply, only the draft's own
+        `input_embedding_scale` when its config carries one (z-lab 0.1.0)."""
+        embedded = F.embedding(ids, self.embedding_weight())
+        scale = getattr(self.config, "input_embedding_scale", None)
+        return embedded if scale is None else embedded * scale
 
     def get_input_embeddings(self):
         return getattr(self, "embed_tokens", None)
@@ -511,7 +536,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 block_context_kv = cache.append(attn.layer_idx, ctx_k, ctx_v)
             elif cache is not None:
                 # transformers' DFlashCache stores context and block; it crops the block itself next step.
-                block_kv = attn.project_kv(layer.input_layernorm(x), block_cos, block_sin)  # reused by the layer
+                block_kv = attn.project_kv(layer.attention_input(x), block_cos, block_sin)  # reused by the layer
                 keys, values = cache.update(torch.cat([ctx_k, block_kv[0]], 2), torch.cat([ctx_v, block_kv[1]], 2),
                                             attn.layer_idx)
                 block_context_kv = (keys[:, :, :-block_len], values[:, :, :-block_len])
@@ -543,25 +568,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)
         return self(self.embed(block_ids), context_hidden, cache=cache).last_hidden_state
 
-    @torch.no_grad()
-    def extend_context(self, context_hidden: torch.Tensor, cache: DFlashContextCache) -> None:
-        """Add verified tokens' states to `cache` without drafting, for a step whose candidates come from elsewhere
-        (prompt lookup): the same entries `block_hidden` would have added."""
-        self._select_kernel_path(context_hidden)
-        past = cache.get_seq_length()
-        positions = torch.arange(past, past + context_hidden.shape[1], device=context_hidden.device)[None]
-        dtype = self.embedding_weight().dtype  # the dtype `forward` computes in (that of the embedded block)
-        context_kv = self.encode_context(context_hidden, positions.expand(context_hidden.shape[0], -1), dtype)
-        for layer, (k, v) in zip(self.layers, context_kv):
-            cache.append(layer.self_attn.layer_idx, k, v)
-
     def new_context_cache(self) -> DFlashContextCache:
         return DFlashContextCache()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Flattened first: given a non-contiguous 3-D slice (the block's slots), matmul cannot fold the batch and
         # copies the whole [vocab, hidden] head for a bmm on every call (~150 ms for a 49k vocabulary on a CPU).
-        return F.linear(hidden.reshape(-1, hidden.shape[-1]), self.head_weight()).view(*hidden.shape[:-1], -1)
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.head_weight()).view(*hidden.shape[:-1], -1)
+        # Gemma-style drafts (z-lab 0.1.0): a multiplier, then `cap * tanh(logits / cap)`; None or 0 cap: off.
+        multiplier = getattr(self.config, "output_multiplier", None)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if multiplier is not None:
+            logits = logits * multiplier
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids as target ids (the same ids unless the vocabulary is pruned)."""
@@ -584,6 +603,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         need_logits: bool = False,
         confidence_threshold: float | None = None,
         block_size: int | None = None,
+        max_slots: int | None = None,
     ) -> DraftProposal:
         """Draft one block. The one entry point shared by generation, benchmarks, the demo and evaluation.
 
@@ -593,9 +613,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         need_logits: return processed logits (the draft's q for rejection sampling).
         confidence_threshold: DSpark stops before the first slot whose predicted survival is below it.
         block_size: ids in the drafted block for this call (the config's by default).
+        max_slots: propose at most this many tokens (the first slots): the head and walk skip the rest, the
+            backbone still sees the whole block (what it was trained on), so the proposals are the same.
         """
         hidden = self.block_hidden(context_hidden, anchor_ids, cache, block_size)
-        hidden = hidden[:, self.config.block_size - self.config.num_speculative_slots :]  # the proposing slots
+        first = self.config.block_size - self.config.num_speculative_slots  # DFlash layout: slot 0 is the anchor
+        hidden = hidden[:, first : first + max_slots if max_slots else None]
         base = self.logits(hidden).float()
         walks = self.markov_head is not None or self.confidence_head is not None
         if walks:
@@ -732,6 +755,40 @@ class DSparkDraftModel(DFlashDraftModel):
         return self.draft_to_target()[draft_ids] if self.config.drafts_pruned_vocab else draft_ids
 
 
+def check_finite_weights(tensors: dict[str, torch.Tensor], file_of: Callable[[str], str]) -> None:
+    """Raise naming every floating tensor that holds NaN or inf, with its file (`file_of(name)`): loaded, such a
+    draft fails only later, in sampling (torch.multinomial), without a word of which weight was bad."""
+    bad: dict[str, list[str]] = {}
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point() or tensor.device.type == "meta":
+            continue
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(tensor).sum())
+            count = f"{nan} NaN, {int((~finite).sum()) - nan} inf of {tensor.numel()}"
+            bad.setdefault(file_of(name), []).append(f"`{name}` ({count})")
+    if bad:
+        where = "; ".join(f"{file}: {', '.join(names)}" for file, names in bad.items())
+        raise ValueError(
+            f"Non-finite weights (NaN/inf): {where}. The checkpoint is corrupt (saved from a diverged run, or broken "
+            "by a conversion): re-export or re-download it. If the file's values are finite, the dtype it was "
+            "loaded in overflows them: load it in its own dtype (dtype='auto')."
+        )
+
+
+def _weights_file(source: str, name: str) -> str:
+    """The file of a local checkpoint folder that holds tensor `name` (for error messages); else `source` itself."""
+    folder = Path(source)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(name)
+        if shard:
+            return str(folder / shard)
+    if (folder / "model.safetensors").is_file():
+        return str(folder / "model.safetensors")
+    return source
+
+
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
     """Raise unless `d2t` (offsets) and `t2d` (kept mask) describe the same pruned vocabulary."""
     if tuple(d2t.shape) != (draft_vocab_size,):
@@ -754,6 +811,7 @@ __all__ = [
     "DFlashDraftModel",
     "DSparkDraftModel",
     "DraftProposal",
+    "check_finite_weights",
     "check_vocab_mapping",
     "layer_attention_mask",
     "markov_walk",
