@@ -16,6 +16,8 @@ from tiny import make_successor_target, oracle_dspark, random_dflash, random_dsp
 SMALL_VOCAB = 16  # small enough that random drafts are sometimes right, so accepted runs really happen
 FAMILIES = ["llama", "qwen3", "deepseek_v3"]
 HEAD_TYPE = {"llama": "vanilla", "qwen3": "gated", "deepseek_v3": "rnn"}
+# Full blocks every step (no cost-based length policy): for tests about what the draft proposes.
+FIXED = GenerationConfig(dflash_policy="fixed")
 
 
 @functools.cache
@@ -75,7 +77,8 @@ def test_draft_that_copies_the_target_is_fully_accepted():
     ids = torch.tensor([[4, 5]])
     assert greedy(target, ids, max_new_tokens=5, eos_token_id=None)[0, 2:].tolist() == [6, 7, 8, 9, 10]
     draft = oracle_dspark(target, block_size=6)
-    out = greedy(target, ids, max_new_tokens=1 + 6 * 5, eos_token_id=None, assistant_model=draft)
+    out = greedy(target, ids, max_new_tokens=1 + 6 * 5, eos_token_id=None, assistant_model=draft,
+                 generation_config=FIXED)
     assert out.tolist() == greedy(target, ids, max_new_tokens=1 + 6 * 5, eos_token_id=None).tolist()
     assert draft.generation_stats["acceptance_lengths"] == [6] * 5  # tau == block_size
     assert draft.generation_stats["mean_acceptance_length"] == 6
@@ -88,7 +91,8 @@ def test_dflash_layout_copying_draft_reaches_block_size():
     with torch.no_grad():
         target.model.norm.weight.zero_()
         draft.norm.weight.zero_()
-    out = greedy(target, torch.tensor([[3, 4]]), max_new_tokens=1 + 8 * 4, eos_token_id=None, assistant_model=draft)
+    out = greedy(target, torch.tensor([[3, 4]]), max_new_tokens=1 + 8 * 4, eos_token_id=None, assistant_model=draft,
+                 generation_config=FIXED)
     assert out[0, 2:].tolist() == [0] * 33
     assert draft.generation_stats["acceptance_lengths"] == [8] * 4
 
@@ -173,12 +177,14 @@ def exact_pair_distribution(target, prompt):
     return joint.flatten()
 
 
-def sampled_pair_counts(target, draft, prompt, runs, seed=0):
+def sampled_pair_counts(target, draft, prompt, runs, seed=0, policy="fixed"):
     counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
     ids = torch.tensor([prompt])
     torch.manual_seed(seed)
+    config = GenerationConfig(dflash_policy=policy)
     for _ in range(runs):
-        out = target.generate(ids, max_new_tokens=4, assistant_model=draft, **SAMPLING)[0, len(prompt):]
+        out = target.generate(ids, max_new_tokens=4, assistant_model=draft, generation_config=config,
+                              **SAMPLING)[0, len(prompt):]
         counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
     return counts
 
@@ -201,10 +207,11 @@ PROMPT = [1, 3, 2]
 REPEATING_PROMPT = [3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3]
 
 
-def test_sampling_matches_the_target_distribution():
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_sampling_matches_the_target_distribution(policy):
     target, draft = _sampling_pair()
     probs = exact_pair_distribution(target, PROMPT)
-    counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
+    counts = sampled_pair_counts(target, draft, PROMPT, RUNS, policy=policy)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
     assert chi_square_p_value(counts, probs) > 1e-3
 
@@ -219,7 +226,7 @@ def test_sampling_with_prompt_lookup_matches_the_target_distribution():
     lookup_steps = 0
     for _ in range(RUNS):
         out = target.generate(ids, max_new_tokens=4, assistant_model=draft, prompt_lookup_num_tokens=3,
-                              **SAMPLING)[0, len(REPEATING_PROMPT):]
+                              generation_config=FIXED, **SAMPLING)[0, len(REPEATING_PROMPT):]
         counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
         lookup_steps += sum(draft.generation_stats["looked_up"])
     assert lookup_steps >= RUNS // 2  # most runs' first step looked up
@@ -288,7 +295,9 @@ def test_stats_add_up():
     out = greedy(target, torch.tensor([[3]]), max_new_tokens=40, eos_token_id=None, assistant_model=draft)
     s = draft.generation_stats
     assert s["target_forwards"] == len(s["acceptance_lengths"]) + 1
-    assert s["draft_forwards"] == len(s["proposals"]) == len(s["acceptance_lengths"])
+    assert len(s["proposals"]) == len(s["policy"]) == len(s["acceptance_lengths"])
+    assert s["draft_forwards"] == sum(step["source"] == "draft" for step in s["policy"]) > 0  # k may be 0 after one
+    assert all(len(ids) == step["k"] for ids, step in zip(s["proposals"], s["policy"]))
     assert s["accepted_tokens"] == sum(s["acceptance_lengths"]) - len(s["acceptance_lengths"])
     assert 1 < s["mean_acceptance_length"] < 6
     assert s["time_s"]["total"] >= s["time_s"]["draft"] + s["time_s"]["verify"] > 0
@@ -370,13 +379,16 @@ def test_confidence_threshold_per_call_and_on_the_draft():
         assert torch.equal(out, expected)
         return draft.generation_stats["drafted_tokens"]
 
-    full = drafted(generation_config=GenerationConfig(dspark_confidence_threshold=0.0))
+    def fixed(**kwargs):  # the threshold is the fixed policy's stop rule (the auto policy weighs cost instead)
+        return GenerationConfig(dflash_policy="fixed", **kwargs)
+
+    full = drafted(generation_config=fixed(dspark_confidence_threshold=0.0))
     assert full > 0
-    assert drafted(generation_config=GenerationConfig(dspark_confidence_threshold=1.0)) == 0  # nothing survives
+    assert drafted(generation_config=fixed(dspark_confidence_threshold=1.0)) == 0  # nothing survives
     draft.confidence_threshold = 1.0
     try:
-        assert drafted() == 0
-        assert drafted(generation_config=GenerationConfig(dspark_confidence_threshold=0.0)) == full  # per call wins
+        assert drafted(generation_config=fixed()) == 0
+        assert drafted(generation_config=fixed(dspark_confidence_threshold=0.0)) == full  # per call wins
     finally:
         draft.confidence_threshold = None
 
@@ -407,24 +419,19 @@ def test_lookup_continuation_takes_the_most_recent_longest_match():
 
 
 def test_lookup_steps_skip_the_draft_but_keep_its_context():
-    """A greedy run on a looping target takes looked-up candidates, stays exact, and leaves the draft's context cache
-    exactly as drafting every step would have (`extend_context` adds what `block_hidden` adds)."""
+    """A greedy run on a looping target takes looked-up candidates and stays exact; the draft reads the states of the
+    tokens verified on lookup steps at its next step, so its context has no gap (fed in chunks or at once, the cache
+    is the same: `test_cached_context_matches_published_math` in test_draft_model.py)."""
     target, draft = pair("llama", "dspark")
     ids = torch.tensor([[3, 4, 5, 3, 4]])
     alone = greedy(target, ids, max_new_tokens=40, eos_token_id=None)
-    got = greedy(target, ids, max_new_tokens=40, eos_token_id=None, assistant_model=draft, prompt_lookup_num_tokens=4)
+    got = greedy(target, ids, max_new_tokens=40, eos_token_id=None, assistant_model=draft, prompt_lookup_num_tokens=4,
+                 generation_config=FIXED)
     assert torch.equal(got, alone)
     stats = draft.generation_stats
     assert len(stats["looked_up"]) == len(stats["proposals"]) == len(stats["acceptance_lengths"])
     assert 0 < sum(stats["looked_up"]) < len(stats["looked_up"])  # both sources were used
     assert stats["draft_forwards"] + sum(stats["looked_up"]) == len(stats["looked_up"])
-
-    context = torch.randn(1, 5, draft.fc.in_features)
-    by_block, by_extend = DFlashContextCache(), DFlashContextCache()
-    draft.block_hidden(context, torch.tensor([3]), by_block)
-    draft.extend_context(context, by_extend)
-    for kept in ("keys", "values"):
-        assert all(torch.equal(a, b) for a, b in zip(getattr(by_block, kept), getattr(by_extend, kept)))
 
 
 def test_generate_command_with_prompt_lookup(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Generation: target-state capture, the candidate generator and the hook behind `generate(assistant_model=draft)`.
 
 A Hub remote-code file (torch and transformers only). It knows drafts by duck typing (`_is_dflash_block_drafter`,
-`propose`, `extend_context`, `new_context_cache`), so it never imports the models: `modeling_dflash.py` imports it and
+`propose`, `new_context_cache`), so it never imports the models: `modeling_dflash.py` imports it and
 installs the hook.
 
 Everything a generate call creates (the generator, its target-state capture, its books) belongs to that call: the
@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
+
+from .policy_dflash import LengthPolicy, measured_costs
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +212,9 @@ def _new_stats() -> dict:
         "target_forwards": 0,
         "draft_forwards": 0,
         "looked_up": [],  # per verify step, whether its candidates came from prompt lookup instead of the draft
+        # per verify step, the length policy's choice: k proposed (0 = a plain decode step), from which source,
+        # the expected emitted tokens and the estimated seconds it weighed, and whether it was a forced probe
+        "policy": [],
         "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
         "kernels": "torch",
     }
@@ -262,6 +267,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"`dflash_block_size` = {self.block_size!r}; expected an integer >= 2 (anchor + slots).")
         self.max_length = generation_config.max_length
+        self.max_slots = self.block_size - (draft.config.block_size - draft.config.num_speculative_slots)
+        # Measured costs and acceptance are kept per target, device, dtype, thread count and draft for the process.
+        key = (id(target), id(draft), str(self.device), str(draft.fc.weight.dtype), torch.get_num_threads())
+        self.policy = LengthPolicy(measured_costs(key, (target, draft)), self.max_slots,
+                                   getattr(generation_config, "dflash_policy", None) or "auto")
+        self.pending: list[torch.Tensor] = []  # verified tokens' states the draft has not read yet
+        self._step = None  # (source, proposed, forced probe) of the step being verified
         # `prompt_lookup_num_tokens` alongside the draft: where the sequence's last LOOKUP_MIN_NGRAM ..
         # max_matching_ngram_size (default LOOKUP_MAX_NGRAM) tokens occurred before (code repeating its prompt, say),
         # the tokens that followed are tried instead of a block.
@@ -291,52 +303,73 @@ class DFlashCandidateGenerator(CandidateGenerator):
             self._last_return = time.perf_counter()
             return input_ids, None
         fresh = input_ids.shape[1] - 1 - self.num_context
-        context = self.capture.states(model_outputs, fresh, self.device)
+        self.pending.append(self.capture.states(model_outputs, fresh, self.device))
+        self.num_context += fresh
         budget = self.max_length - input_ids.shape[1] - 1
-        looked_up = self._lookup(input_ids, budget)
-        if looked_up is not None:
-            self.draft.extend_context(context, self.cache)
-            self._book(fresh, looked_up, now, from_lookup=True)
-            return torch.cat([input_ids, looked_up], dim=1), None
+        if budget > 0:
+            looked_up = self._lookup(input_ids, budget)
+            if looked_up is not None:
+                k, expected, seconds = self.policy.choose("lookup", looked_up.shape[1], None, 0.0)
+                if k:
+                    return self._propose(input_ids, looked_up[:, :k], None, now, "lookup", expected, seconds)
+        slots, probe = self.policy.plan_draft("draft")
+        slots = min(slots, max(budget, 0))
+        if not slots:
+            return self._propose(input_ids, input_ids[:, :0], None, now, None, 1.0, None)
         proposal = self.draft.propose(
-            context,
+            torch.cat(self.pending, dim=1),
             input_ids[:, -1].to(self.device),
             self.cache,
             prefix_ids=input_ids.to(self.device) if self.logits_processor else None,
             logits_processor=self.logits_processor,
             do_sample=self.do_sample,
             need_logits=self.do_sample,
-            confidence_threshold=self.confidence_threshold,
+            confidence_threshold=None if self.policy.adaptive else self.confidence_threshold,
             block_size=self.block_size,
+            max_slots=slots,
         )
+        self.pending.clear()
         self.stats["draft_forwards"] += 1
-        draft_ids = proposal.draft_ids[:, : max(budget, 0)].to(input_ids.device)
-        self._book(fresh, draft_ids, now, from_lookup=False)
-        if draft_ids.shape[1] == 0:
-            return input_ids, None
+        drafted = time.perf_counter() - now
+        self.policy.observe_draft("draft", slots, drafted)
+        confidence = None
+        if proposal.confidence is not None and self.policy.adaptive:
+            confidence = proposal.confidence[0].tolist()
+        k, expected, seconds = self.policy.choose("draft", proposal.draft_ids.shape[1], confidence, drafted)
+        if probe:
+            k = max(k, 1)
+        draft_ids = proposal.draft_ids[:, :k].to(input_ids.device)
         logits = None
-        if proposal.draft_logits is not None:
+        if proposal.draft_logits is not None and draft_ids.shape[1]:
             logits = proposal.draft_logits[:, : draft_ids.shape[1]].to(input_ids.device)
-        return torch.cat([input_ids, draft_ids], dim=1), logits
+        return self._propose(input_ids, draft_ids, logits, now, "draft", expected, seconds, probe)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         pass
 
-    def _book(self, fresh: int, candidate_ids: torch.Tensor, now: float, from_lookup: bool) -> None:
-        """Record a step's proposal (drafted or looked up) once the fresh context is in the draft's cache."""
-        self.num_context += fresh
-        self.stats["drafted_tokens"] += candidate_ids.shape[1]
-        self.stats["proposals"].append(candidate_ids[0].tolist())
-        self.stats["looked_up"].append(from_lookup)
+    def _propose(self, input_ids, candidate_ids, logits, now: float, source: str | None, expected: float,
+                 seconds: float | None, probe: bool = False):
+        """Book a step's candidates (drafted, looked up, or none: a decode step) and hand them to `generate`."""
+        proposed = candidate_ids.shape[1]
+        self._step = (source if proposed else None, proposed, probe)
+        self.stats["drafted_tokens"] += proposed
+        self.stats["proposals"].append(candidate_ids[0])  # tensors until `finish`: no host sync per step
+        self.stats["looked_up"].append(source == "lookup")
+        self.stats["policy"].append({"k": proposed, "source": source or "decode",
+                                     "expected_tokens": expected,
+                                     "estimated_ms": None if seconds is None else 1000 * seconds, "probe": probe})
         if hasattr(self.streamer, "put_candidates"):
-            self.streamer.put_candidates(self.stats["proposals"][-1], from_lookup)
+            self.streamer.put_candidates(candidate_ids[0].tolist(), source == "lookup")
         self._last_return = time.perf_counter()
         self.stats["time_s"]["draft"] += self._last_return - now
+        if not proposed:
+            return input_ids, None
+        return torch.cat([input_ids, candidate_ids], dim=1), logits
 
     def _lookup(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor | None:
         """Prompt-lookup candidates [1, n] (cut before any EOS and to the length budget; a slice of `input_ids`), or
         None to draft a block."""
-        if not self.lookup_tokens or budget <= 0:
+        if not self.lookup_tokens:
             return None
         found = lookup_continuation(input_ids, self.lookup_ngram, LOOKUP_MIN_NGRAM, min(self.lookup_tokens, budget))
         for i, token in enumerate(found.tolist()):
@@ -346,15 +379,19 @@ class DFlashCandidateGenerator(CandidateGenerator):
         return found[None] if found.shape[0] else None
 
     def _account_verify(self, length: int, now: float) -> None:
-        """Book the target forward that ran since our last return (the prefill first) and what it emitted."""
+        """Book the target forward that ran since our last return (the prefill first), what it emitted, and what it
+        teaches the policy (the cost of that many rows, the acceptance of the proposals' source)."""
         if self._last_length is not None:
             phase = "prefill" if self.stats["target_forwards"] == 0 else "verify"
-            self.stats["time_s"][phase] += now - self._last_return
+            seconds = now - self._last_return
+            self.stats["time_s"][phase] += seconds
             self.stats["target_forwards"] += 1
             if phase == "verify":
                 emitted = length - self._last_length
                 self.stats["acceptance_lengths"].append(emitted)
                 self.stats["accepted_tokens"] += emitted - 1
+                source, proposed, probe = self._step
+                self.policy.record(source, proposed, emitted - 1, probe, seconds)
         self._last_length = length
 
     def finish(self, sequences: torch.Tensor) -> dict:
@@ -363,6 +400,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self._account_verify(sequences.shape[1], time.perf_counter())
         lengths = self.stats["acceptance_lengths"]
         self.stats["mean_acceptance_length"] = sum(lengths) / len(lengths) if lengths else 0.0
+        self.stats["proposals"] = [ids.tolist() for ids in self.stats["proposals"]]
         self.stats["time_s"]["total"] = time.perf_counter() - self._start
         self.stats["kernels"] = self.draft.kernel_label
         return self.stats

@@ -1,0 +1,1 @@
+src/dflash_hf/policy_dflash.py

@@ -1,0 +1,203 @@
+"""How many tokens to propose each step: expected emitted tokens per second, from measured costs.
+
+A Hub remote-code file (standard library only). Speculation pays only when `E[tokens per step] / cost(step)` beats
+`1 / cost(decode)`. On a GPU a verify of k+1 rows costs about one decode; on a CPU it grows with k, and not even
+monotonically (float32 on an AMD EPYC: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109). So the policy
+keeps what it measured, per row count, for each target/device/dtype, and per-position acceptance rates for each
+proposal source (a draft, prompt lookup); each step it proposes the k (0..block) with the best expected rate, k = 0
+being a plain decode step. Where speculation looks hopeless it still probes now and then (less often each time it
+fails), because acceptance moves with the text.
+
+With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
+`1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts).
+"""
+
+import threading
+import weakref
+
+# Weight of a new measurement in a running average: recent steps dominate, single outliers do not.
+COST_EMA = 0.3
+# Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
+# per update so the rates follow the text of the call at hand.
+ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
+# Steps without any proposal before a forced probe; doubled after each probe, up to the maximum.
+PROBE_INTERVAL, PROBE_INTERVAL_MAX = 4, 64
+POLICIES = ("auto", "fixed")
+
+
+class CostTable:
+    """Running mean seconds by size (rows verified, or slots drafted). An unmeasured size between two measured ones
+    is interpolated (optimistic where costs jump, which the next measurement corrects); past the largest measured
+    size the cost is unknown, and the policy measures it."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.seconds.get(size)
+        self.seconds[size] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    def estimate(self, size: int) -> float | None:
+        if size in self.seconds:
+            return self.seconds[size]
+        above = [n for n in self.seconds if n > size]
+        if not above:
+            return None
+        high = min(above)
+        below = [n for n in self.seconds if n < size]
+        if not below:
+            return self.seconds[high]
+        low = max(below)
+        share = (size - low) / (high - low)
+        return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+
+
+class AcceptanceRates:
+    """Per-position conditional acceptance of one proposal source: of the proposals that reached position j (all
+    before it accepted), the share accepted. Decayed, so recent steps count most."""
+
+    def __init__(self, prior: float = ACCEPT_PRIOR):
+        self.prior = prior
+        self.tries: list[float] = []
+        self.accepts: list[float] = []
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A verified step: `proposed` candidates, the first `accepted` of them accepted."""
+        reached = min(proposed, accepted + 1)
+        while len(self.tries) < reached:
+            self.tries.append(0.0)
+            self.accepts.append(0.0)
+        for j in range(len(self.tries)):
+            self.tries[j] *= ACCEPT_DECAY
+            self.accepts[j] *= ACCEPT_DECAY
+        for j in range(reached):
+            self.tries[j] += 1.0
+            self.accepts[j] += 1.0 if j < accepted else 0.0
+
+    def rates(self, count: int) -> list[float]:
+        out = []
+        for j in range(count):
+            tries = self.tries[j] if j < len(self.tries) else 0.0
+            accepts = self.accepts[j] if j < len(self.accepts) else 0.0
+            # A position never reached borrows the previous one's rate as its prior (acceptance rarely rises).
+            prior = out[-1] if out else self.prior
+            out.append((accepts + ACCEPT_PRIOR_WEIGHT * prior) / (tries + ACCEPT_PRIOR_WEIGHT))
+        return out
+
+
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E[emitted] for proposing k = 0..len(rates) tokens with these conditional acceptance rates."""
+    out, survive = [1.0], 1.0
+    for rate in rates:
+        survive *= rate
+        out.append(out[-1] + survive)
+    return out
+
+
+class MeasuredCosts:
+    """What one target (on one device, in one dtype) and its drafts cost here; shared by the calls of a process."""
+
+    def __init__(self):
+        self.verify = CostTable()  # by rows: 1 = a plain decode step
+        self.draft: dict[str, CostTable] = {}  # by source, by slots drafted
+        self.acceptance: dict[str, AcceptanceRates] = {}
+        self.lock = threading.Lock()
+
+    def draft_table(self, source: str) -> CostTable:
+        return self.draft.setdefault(source, CostTable())
+
+    def rates(self, source: str) -> AcceptanceRates:
+        return self.acceptance.setdefault(source, AcceptanceRates())
+
+
+_measured: dict[tuple, MeasuredCosts] = {}
+_measured_lock = threading.Lock()
+
+
+def measured_costs(key: tuple, owners: tuple = ()) -> MeasuredCosts:
+    """The process-wide measurements for `key` (target, device, dtype, draft): later calls start informed. They are
+    dropped when any of `owners` (the models the key names by id) is garbage-collected, so an id never aliases."""
+    with _measured_lock:
+        if key not in _measured:
+            _measured[key] = MeasuredCosts()
+            for owner in owners:
+                weakref.finalize(owner, _measured.pop, key, None)
+        return _measured[key]
+
+
+class LengthPolicy:
+    """Chooses each step's proposal length for one generate call, and records why."""
+
+    def __init__(self, costs: MeasuredCosts, max_slots: int, mode: str = "auto"):
+        if mode not in POLICIES:
+            raise ValueError(f"`dflash_policy` = {mode!r}; expected one of {POLICIES}.")
+        self.costs, self.max_slots, self.mode = costs, max_slots, mode
+        self.idle_steps = 0  # steps in a row that proposed nothing
+        self.probe_interval = PROBE_INTERVAL
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == "auto"
+
+    def _rate(self, expected: float, seconds: float | None) -> float | None:
+        return None if seconds is None or seconds <= 0 else expected / seconds
+
+    def best(self, rates: list[float], draft_seconds, allow_zero: bool) -> tuple[int, float, float | None]:
+        """(k, expected tokens, estimated seconds) with the best expected rate; `draft_seconds(k)` is the drafting
+        cost of k slots (0 for prompt lookup). Unknown costs make k = len(rates) the answer (measure it)."""
+        expected = expected_tokens(rates)
+        best = None
+        for k in range(0 if allow_zero else 1, len(rates) + 1):
+            verify = self.costs.verify.estimate(k + 1)
+            draft = draft_seconds(k) if k else 0.0
+            seconds = None if verify is None or draft is None else verify + draft
+            rate = self._rate(expected[k], seconds)
+            if rate is None:
+                return len(rates), expected[-1], None
+            if best is None or rate > best[0]:
+                best = (rate, k, expected[k], seconds)
+        return best[1], best[2], best[3]
+
+    def plan_draft(self, source: str) -> tuple[int, bool]:
+        """Before drafting: (slots to draft, whether this is a forced probe); 0 slots = a plain decode step."""
+        if not self.adaptive:
+            return self.max_slots, False
+        with self.costs.lock:
+            if self.costs.verify.estimate(1) is None:
+                return 0, False  # measure a decode step first
+            rates = self.costs.rates(source).rates(self.max_slots)
+            table = self.costs.draft_table(source)
+            k, _, _ = self.best(rates, table.estimate, allow_zero=True)
+            if k == 0 and self.idle_steps + 1 >= self.probe_interval:
+                k, _, _ = self.best(rates, table.estimate, allow_zero=False)
+                return k, True
+            return k, False
+
+    def choose(self, source: str, available: int, confidence: list[float] | None, draft_seconds: float) -> tuple:
+        """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds).
+        `confidence`: the draft's own per-slot acceptance predictions (DSpark), else the running rates."""
+        if not self.adaptive:
+            return available, None, None
+        with self.costs.lock:
+            rates = list(confidence[:available]) if confidence else self.costs.rates(source).rates(available)
+            return self.best(rates, lambda k: draft_seconds, allow_zero=True)
+
+    def observe_draft(self, source: str, slots: int, seconds: float) -> None:
+        with self.costs.lock:
+            self.costs.draft_table(source).observe(slots, seconds)
+
+    def record(self, source: str | None, proposed: int, accepted: int, probe: bool, seconds: float) -> None:
+        """A verified step (`proposed` candidates, `accepted` of them, `seconds` for the verify of proposed + 1 rows):
+        update the cost of that many rows, the source's acceptance and the probing schedule."""
+        with self.costs.lock:
+            self.costs.verify.observe(proposed + 1, seconds)
+            if source is not None and proposed:
+                self.costs.rates(source).observe(proposed, accepted)
+        if proposed:
+            self.idle_steps = 0
+            if probe:
+                self.probe_interval = min(2 * self.probe_interval, PROBE_INTERVAL_MAX)
+            else:
+                self.probe_interval = PROBE_INTERVAL
+        else:
+            self.idle_steps += 1
