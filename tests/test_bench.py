@@ -242,9 +242,10 @@ def test_same_weights_same_acceptance_across_loops(tmp_path, capsys):
     out = tmp_path / "r.json"
     args = ["bench", "--dataset", str(tmp_path / "p.jsonl"), "--target", str(tmp_path / "target"), "--draft",
             str(tmp_path / "dflash"), "--max-new-tokens", "13", "--warmup-tokens", "0", "--no-progress",
-            "--json", str(out)]
+            "--json", str(out), "--policy", "fixed"]  # full blocks, as the other loops draft
     assert cli.main(args) == 0
     report = json.loads(out.read_text())
+    assert report["settings"]["policy"] == "fixed"
     lengths = {name: report["generations"][0]["paths"][name]["acceptance_lengths"]
                for name in ("dflash_hf", "transformers_dflash", "zlab_dflash") if report["paths"][name]["status"] == "ok"}
     assert lengths["dflash_hf"] == [4, 4, 4]  # 1 + 12 new tokens in three full blocks

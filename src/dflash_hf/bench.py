@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Self
 
+import copy
+
 import torch
 
 from .defaults import DTYPE_HELP
@@ -65,6 +67,10 @@ WARMUP_NEW_TOKENS = 16
 BASELINE = "baseline"
 OURS = {"dflash": "dflash_hf", "dspark": "dspark_hf"}
 OURS_LOOKUP = {kind: name + "_lookup" for kind, name in OURS.items()}  # the draft plus prompt lookup where it matches
+# The speculation-length policies of our paths (`dflash_policy`): `--policy both` runs each of our paths under both,
+# the fixed-length one with this suffix.
+POLICIES = ("auto", "fixed", "both")
+FIXED_SUFFIX = "_fixed"
 TRANSFORMERS_DFLASH = "transformers_dflash"
 PROMPT_LOOKUP = "prompt_lookup"
 ZLAB = "zlab_dflash"
@@ -336,6 +342,7 @@ class BenchSettings:
     seed: int = 0
     prompt_lookup_num_tokens: int = DEFAULT_PROMPT_LOOKUP_TOKENS
     warmup_new_tokens: int = WARMUP_NEW_TOKENS
+    policy: str = "auto"
 
     @property
     def greedy(self) -> bool:
@@ -413,17 +420,21 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
     skipped: dict[str, str] = {}
     extra_modules: list[torch.nn.Module] = []
 
-    def ours(draft, **extra):
+    def ours(draft, policy, **extra):
+        config = copy.deepcopy(target.generation_config)  # the target's own defaults (EOS, ...) plus the policy
+        config.dflash_policy = policy
         return lambda ids, mask, n: target.generate(ids, attention_mask=mask, max_new_tokens=n, assistant_model=draft,
-                                                    **extra, **hf)
+                                                    generation_config=config, **extra, **hf)
 
     lookup = settings.prompt_lookup_num_tokens
-    for kind, draft in drafts.items():
-        paths.append(BenchPath(OURS[kind], f"dflash-hf {kind}: target.generate(assistant_model=draft)", ours(draft),
-                               stats_draft=draft))
-    for kind, draft in drafts.items():
-        paths.append(BenchPath(OURS_LOOKUP[kind], f"dflash-hf {kind} + prompt lookup ({lookup} tokens) where an n-gram "
-                               "repeats", ours(draft, prompt_lookup_num_tokens=lookup), stats_draft=draft))
+    policies = ("auto", "fixed") if settings.policy == "both" else (settings.policy,)
+    for names, description, extra in ((OURS, "", {}), (OURS_LOOKUP, f" + prompt lookup ({lookup} tokens) where an "
+                                                        "n-gram repeats", {"prompt_lookup_num_tokens": lookup})):
+        for policy in policies:
+            suffix = FIXED_SUFFIX if settings.policy == "both" and policy == "fixed" else ""
+            for kind, draft in drafts.items():
+                paths.append(BenchPath(names[kind] + suffix, f"dflash-hf {kind}{description}, {policy} length policy",
+                                       ours(draft, policy, **extra), stats_draft=draft))
     dflash_draft = drafts.get("dflash")
     if dflash_draft is None:
         skipped[TRANSFORMERS_DFLASH] = skipped[ZLAB] = "needs a DFlash draft (run with --kind dflash or both)"
@@ -712,6 +723,7 @@ def build_report(records: list[dict], paths: list[BenchPath], skipped: dict[str,
             "seed": settings.seed,
             "warmup_new_tokens": settings.warmup_new_tokens,
             "prompt_lookup_num_tokens": settings.prompt_lookup_num_tokens,
+            "policy": settings.policy,
             "models": models,
             "path_order": "rotated by one path per generation",
         },
@@ -742,7 +754,7 @@ def format_table(report: dict) -> str:
                  f"{settings['dataset']['generations']} generations, max_new_tokens {settings['max_new_tokens']}, "
                  f"temperature {settings['temperature']}; "
                  f"baseline decode step {_fmt(report['baseline_decode_ms'], '.1f')} ms")
-    header = (f"{'path':<20} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'[q25-q75]':>13} {'decode':>7} {'ideal':>6} "
+    header = (f"{'path':<20} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'[q25-q75]':>13} {'worst':>6} {'decode':>7} {'ideal':>6} "
               f"{'eff':>5} {'verify':>7} {'draft':>6} {'prefill':>7} {'other':>6}")
     lines += [header, "-" * len(header)]
     ok = {name: p for name, p in report["paths"].items() if p["status"] == "ok"}
@@ -750,7 +762,7 @@ def format_table(report: dict) -> str:
         s, share = p["speedup_per_prompt"], p["time_share"]
         lines.append(
             f"{name:<20} {_fmt(p['tau'], '5.2f')} {_fmt(p['tokens_per_s'], '7.2f')} {_fmt(p['speedup'], '7.2f')}x "
-            f"{'[' + _fmt(s['q25'], '.2f') + '-' + _fmt(s['q75'], '.2f') + ']':>13} "
+            f"{'[' + _fmt(s['q25'], '.2f') + '-' + _fmt(s['q75'], '.2f') + ']':>13} {_fmt(s['min'], '5.2f')}x "
             f"{_fmt(p['decode_speedup'], '6.2f')}x {_fmt(p['ideal_speedup'], '5.2f')}x {_fmt(p['efficiency'], '5.2f')} "
             f"{_fmt(100 * share['verify'], '6.0f')}% {_fmt(100 * share['draft'], '5.0f')}% "
             f"{_fmt(100 * share['prefill'], '6.0f')}% {_fmt(100 * share['other'], '5.0f')}%")
@@ -767,7 +779,7 @@ def format_table(report: dict) -> str:
                 lines.append(f"{name:<20} " + " ".join(f"{_fmt(p['tau_per_category'].get(c), '10.2f')}"
                                                         for c in categories))
     lines.append("")
-    lines.append("speedup: median over prompts of (path tok/s / baseline tok/s); decode: the same excluding prefill; "
+    lines.append("speedup: median over prompts of (path tok/s / baseline tok/s); worst: the slowest prompt's; decode: the same excluding prefill; "
                  "ideal: tau x decode step / (verify step + draft step); eff = decode / ideal.")
     if report["exact"]:
         lines.append("every path reproduced the baseline's greedy tokens exactly.")
@@ -836,6 +848,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=None,
                         help=f"prompt-lookup candidates per step (default {DEFAULT_PROMPT_LOOKUP_TOKENS})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", choices=POLICIES, default="auto",
+                        help="our paths' speculation length: auto (by measured cost), fixed (full blocks), or both")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--warmup-tokens", type=int, default=WARMUP_NEW_TOKENS)
@@ -913,7 +927,7 @@ def run(args) -> int:
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         prompt_lookup_num_tokens=args.prompt_lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS,
-        warmup_new_tokens=args.warmup_tokens,
+        warmup_new_tokens=args.warmup_tokens, policy=args.policy,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths, skipped, extra = build_paths(target, drafts, settings, pad_token_id=pad)

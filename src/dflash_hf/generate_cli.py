@@ -1,5 +1,6 @@
 """`dflash-hf generate`: one speculative generation on a target/draft pair, checked against the target alone."""
 
+import copy
 import time
 
 import torch
@@ -20,6 +21,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    parser.add_argument("--policy", choices=("auto", "fixed"), default="auto",
+                        help="speculation length: auto (each step weighs acceptance against measured cost) or fixed "
+                             "(full blocks)")
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                         help=f"also try N looked-up tokens where the last {LOOKUP_MIN_NGRAM}-{LOOKUP_MAX_NGRAM} tokens "
                              "occurred before (0: off)")
@@ -44,12 +48,12 @@ def load_pair(target_id, draft_id, kind, dtype="auto"):
 
 def run(args) -> int:
     target, tokenizer, draft, note = load_pair(args.target, args.draft, args.kind, args.dtype)
-    if args.block_size is not None:
-        draft.config.block_size = args.block_size
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    speculative = dict(assistant_model=draft)
+    config = copy.deepcopy(target.generation_config)  # the target's defaults (EOS, ...), plus ours for this call
+    config.dflash_policy, config.dflash_block_size = args.policy, args.block_size
+    speculative = dict(assistant_model=draft, generation_config=config)
     if args.prompt_lookup:
         speculative["prompt_lookup_num_tokens"] = args.prompt_lookup
     target.generate(**inputs, max_new_tokens=4, do_sample=False, **speculative)  # warm-up, not timed
@@ -74,6 +78,9 @@ def run(args) -> int:
     lookups = f"  (prompt lookup on {sum(stats['looked_up'])} of {len(stats['acceptance_lengths'])} steps)"
     print(f"tokens: {new_tokens}  tau (mean tokens per target forward): {stats['mean_acceptance_length']:.2f}"
           + (lookups if args.prompt_lookup else ""))
+    chosen = [step["k"] for step in stats["policy"]]
+    print(f"{args.policy} policy, tokens proposed per step: {' '.join(map(str, chosen))} "
+          f"({chosen.count(0)} of {len(chosen)} steps plain decoding)")
     print(f"target alone: {new_tokens / plain_s:.1f} tok/s   speculative: {new_tokens / spec_s:.1f} tok/s   "
           f"speed-up: {plain_s / spec_s:.2f}x")
     return 0 if identical else 1

@@ -15,8 +15,8 @@ With per-slot acceptance estimates a_1..a_k the expected emitted tokens of propo
 import threading
 import weakref
 
-# Weight of a new measurement in a running average: recent steps dominate, single outliers do not.
-COST_EMA = 0.3
+# Measurements kept per size; the estimate is their minimum (costs drift slowly, noise is large).
+COST_SAMPLES = 8
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
 ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
@@ -26,30 +26,36 @@ POLICIES = ("auto", "fixed")
 
 
 class CostTable:
-    """Running mean seconds by size (rows verified, or slots drafted). An unmeasured size between two measured ones
-    is interpolated (optimistic where costs jump, which the next measurement corrects); past the largest measured
-    size the cost is unknown, and the policy measures it."""
+    """Seconds by size (rows verified, or slots drafted): the least of the last few measurements, since a shared
+    machine's noise (and a shape's first, warm-up run) only ever adds time. An unmeasured size between two measured
+    ones is interpolated (optimistic where costs jump, which its first measurement corrects); past the largest
+    measured size the cost is unknown, and the policy measures it."""
 
     def __init__(self):
-        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, list[float]] = {}
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        return {size: min(samples) for size, samples in self.samples.items()}
 
     def observe(self, size: int, seconds: float) -> None:
-        old = self.seconds.get(size)
-        self.seconds[size] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        samples = self.samples.setdefault(size, [])
+        samples.append(seconds)
+        del samples[:-COST_SAMPLES]
 
     def estimate(self, size: int) -> float | None:
-        if size in self.seconds:
-            return self.seconds[size]
-        above = [n for n in self.seconds if n > size]
+        seconds = self.seconds
+        if size in seconds:
+            return seconds[size]
+        above = [n for n in seconds if n > size]
         if not above:
             return None
         high = min(above)
-        below = [n for n in self.seconds if n < size]
+        below = [n for n in seconds if n < size]
         if not below:
-            return self.seconds[high]
+            return seconds[high]
         low = max(below)
-        share = (size - low) / (high - low)
-        return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+        return seconds[low] + (size - low) / (high - low) * (seconds[high] - seconds[low])
 
 
 class AcceptanceRates:

@@ -1,0 +1,152 @@
+"""The speculation-length policy: its arithmetic, its choices under known costs, and generate under it (exact)."""
+
+import time
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from dflash_hf.policy_dflash import (
+    PROBE_INTERVAL,
+    AcceptanceRates,
+    CostTable,
+    LengthPolicy,
+    MeasuredCosts,
+    expected_tokens,
+)
+from tiny import make_successor_target, oracle_dspark, random_dflash, tiny_target
+
+MS = 1e-3
+
+
+def costs(verify_ms: dict, draft_ms: dict | None = None) -> MeasuredCosts:
+    measured = MeasuredCosts()
+    for rows, ms in verify_ms.items():
+        measured.verify.observe(rows, ms * MS)
+    for slots, ms in (draft_ms or {}).items():
+        measured.draft_table("draft").observe(slots, ms * MS)
+    return measured
+
+
+def test_expected_tokens():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
+    assert expected_tokens([1.0, 0.0, 1.0]) == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_cost_table_keeps_the_least_recent_sample_and_interpolates():
+    table = CostTable()
+    assert table.estimate(1) is None
+    for ms in (70, 64, 90):  # noise only adds time
+        table.observe(1, ms * MS)
+    table.observe(9, 110 * MS)
+    assert table.estimate(1) == pytest.approx(64 * MS)
+    assert table.estimate(5) == pytest.approx((64 + (110 - 64) / 2) * MS)
+    assert table.estimate(12) is None  # past the largest measured size: unknown, to be measured
+
+
+def test_acceptance_rates_learn_per_position_and_decay():
+    rates = AcceptanceRates(prior=0.5)
+    assert rates.rates(3) == [0.5, 0.5, 0.5]
+    for _ in range(30):
+        rates.observe(proposed=4, accepted=1)  # position 1 always accepted, position 2 never
+    first, second, third = rates.rates(3)
+    assert first > 0.9 and second < 0.1
+    assert third == pytest.approx(second, abs=0.05)  # never reached: borrows its predecessor's rate
+
+
+def test_costly_rows_and_weak_drafts_mean_plain_decoding():
+    """float32 on a CPU: a verify of 8 rows costs two decodes; a draft accepted a third of the time loses."""
+    policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {7: 20}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 0)
+    assert policy.plan_draft("draft") == (0, False)
+
+
+def test_cheap_rows_and_good_drafts_mean_full_blocks():
+    """A GPU: a verify of 8 rows costs about one decode."""
+    policy = LengthPolicy(costs({1: 10, 2: 10.2, 8: 11}, {7: 2}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 7)
+    assert policy.plan_draft("draft") == (7, False)
+
+
+def test_unknown_costs_are_measured_first():
+    policy = LengthPolicy(MeasuredCosts(), max_slots=7)
+    assert policy.plan_draft("draft") == (0, False)  # a decode step first
+    policy.record(None, 0, 0, False, 50 * MS)
+    assert policy.plan_draft("draft") == (7, False)  # then a full block
+
+
+def test_the_confidence_head_cuts_the_block():
+    """DSpark: after drafting, slots the head doubts are not worth their verify rows."""
+    policy = LengthPolicy(costs({1: 100, 2: 120, 3: 140, 4: 160, 8: 240}), max_slots=7)
+    k, expected, seconds = policy.choose("draft", 7, [0.95, 0.9, 0.05, 0.05, 0.05, 0.05, 0.05], 0.02)
+    assert k == 2 and expected == pytest.approx(1 + 0.95 + 0.95 * 0.9)
+    assert seconds == pytest.approx(0.14 + 0.02)
+
+
+def test_hopeless_drafting_still_probes_less_and_less_often():
+    policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {1: 20, 7: 20}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 0)
+    probes = []
+    for step in range(200):
+        slots, probe = policy.plan_draft("draft")
+        if probe:
+            probes.append(step)
+        policy.record("draft" if slots else None, slots, 0, probe, 0.1)
+    assert probes[0] == PROBE_INTERVAL - 1
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
+
+
+def test_fixed_policy_is_todays_behaviour():
+    policy = LengthPolicy(costs({1: 100, 8: 1000}), max_slots=7, mode="fixed")
+    assert policy.plan_draft("draft") == (7, False)
+    assert policy.choose("draft", 5, [0.01] * 5, 1.0) == (5, None, None)
+    with pytest.raises(ValueError, match="dflash_policy"):
+        LengthPolicy(MeasuredCosts(), max_slots=7, mode="fastest")
+
+
+def slow_rows(target, per_extra_row_s: float):
+    """Make each target forward cost `per_extra_row_s` per row beyond the first (a CPU's verify, exaggerated)."""
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] > 1:
+            time.sleep(per_extra_row_s * (ids.shape[1] - 1))
+
+    return target.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_generate_skips_drafting_when_rows_are_costly_and_drafts_wrong():
+    """A draft that is always wrong and verify rows that cost 20 ms each: the policy settles on decode steps, and the
+    output stays the target's own."""
+    target = tiny_target("llama", vocab_size=16)
+    draft = random_dflash(target, block_size=6, layer_ids=[1, 2])
+    ids = torch.tensor([[3, 9, 4, 11]])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None)
+    handle = slow_rows(target, 0.02)
+    try:
+        out = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None, assistant_model=draft)
+    finally:
+        handle.remove()
+    assert torch.equal(out, expected)
+    steps = draft.generation_stats["policy"]
+    assert sum(step["k"] == 0 for step in steps[-30:]) >= 24  # mostly plain decode steps once measured
+    assert all(len(p) == step["k"] for p, step in zip(draft.generation_stats["proposals"], steps))
+
+
+def test_generate_drafts_full_blocks_when_rows_are_cheap_and_drafts_right():
+    target = make_successor_target(tiny_target("llama", vocab_size=16))
+    draft = oracle_dspark(target, block_size=6)
+    ids = torch.tensor([[4, 5]])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None)
+    out = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None, assistant_model=draft,
+                          generation_config=GenerationConfig(dflash_policy="auto"))
+    assert torch.equal(out, expected)
+    steps = draft.generation_stats["policy"]
+    assert steps[0]["k"] == 0  # measuring a decode step
+    slots = draft.config.num_speculative_slots
+    assert sum(step["k"] == slots for step in steps) >= len(steps) - 3  # then full blocks, all accepted
