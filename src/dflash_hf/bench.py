@@ -421,10 +421,18 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
     extra_modules: list[torch.nn.Module] = []
 
     def ours(draft, policy, **extra):
-        config = copy.deepcopy(target.generation_config)  # the target's own defaults (EOS, ...) plus the policy
+        # The target's own defaults (EOS, ...), the run's settings and the policy, in one config: transformers
+        # deprecates mixing a config with generation arguments.
+        config = copy.deepcopy(target.generation_config)
+        config.update(**hf, **extra)
         config.dflash_policy = policy
-        return lambda ids, mask, n: target.generate(ids, attention_mask=mask, max_new_tokens=n, assistant_model=draft,
-                                                    generation_config=config, **extra, **hf)
+
+        def generate(ids, mask, n):
+            call = copy.copy(config)
+            call.max_new_tokens = n
+            return target.generate(ids, attention_mask=mask, assistant_model=draft, generation_config=call)
+
+        return generate
 
     lookup = settings.prompt_lookup_num_tokens
     policies = ("auto", "fixed") if settings.policy == "both" else (settings.policy,)

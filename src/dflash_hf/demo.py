@@ -293,6 +293,9 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
                    f"**{plain.seconds / spec.seconds:.2f}x**")
         looked = (f", prompt lookup ({int(lookup_tokens)} tokens) on {sum(stats['looked_up'])} of "
                   f"{len(stats['looked_up'])} steps" if lookup_tokens else "")
+        chosen = " ".join(str(step["k"]) for step in stats["policy"])
+        summary += (f"<br>tokens proposed per step (the length policy's choice; 0 = a plain decode step): "
+                    f"<code>{chosen}</code>")
         status = (f"Done. Identical to the target alone: **{'yes' if identical else 'NO'}** "
                   f"({spec.tokens} tokens, {kind}, block size {int(block_size)}{looked}).")
         yield plain.text, _stats_line(plain, False), spec.text, spec.html(), summary, status
