@@ -415,6 +415,9 @@ def test_lookup_continuation_takes_the_most_recent_longest_match():
     assert look([5, 6, 7, 5, 6, 8, 5, 6], num=2) == [8, 5]  # 2-gram [5, 6] at 0 and 3: the later one
     assert look([4, 2, 3, 7, 1, 2, 3]) == [7, 1, 2, 3]  # no 3-gram match; the 2-gram [2, 3] at 1
     assert look([1, 2, 3, 1]) == []  # a one-token match is too weak
+    # A run that repeats itself: the latest [0, 0, 0] has one token after it, an earlier one has all four.
+    assert look([0] * 9) == [0, 0, 0, 0]
+    assert look([5, 0, 0, 0, 1, 0, 0, 0], num=3) == [1, 0, 0]
     assert look([7]) == []
 
 

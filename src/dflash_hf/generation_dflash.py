@@ -190,14 +190,18 @@ def check_target_cache_croppable(target: PreTrainedModel) -> None:
 
 
 def lookup_continuation(ids: torch.Tensor, max_ngram: int, min_ngram: int, num_tokens: int) -> torch.Tensor:
-    """Prompt-lookup candidates for the one sequence in `ids` [1, T]: the tokens that followed the most recent earlier
-    occurrence of its last n tokens, trying n from `max_ngram` down to `min_ngram`; empty when none occurred."""
+    """Prompt-lookup candidates for the one sequence in `ids` [1, T]: the tokens that followed an earlier occurrence of
+    its last n tokens, trying n from `max_ngram` down to `min_ngram`; empty when none occurred. Of the occurrences, the
+    most recent one among those followed by the most tokens (up to `num_tokens`): inside a run that repeats itself
+    ("0 0 0 ...", indentation) the latest occurrence ends right before the sequence does and has one token to give."""
     row = ids[0]
-    for n in range(min(max_ngram, row.shape[0] - 1), min_ngram - 1, -1):
+    length = row.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = row[:-1].unfold(0, n, 1)  # every n-gram ending before the last token
-        hits = (windows == row[-n:]).all(1).nonzero()
+        hits = (windows == row[-n:]).all(1).nonzero()[:, 0]
         if len(hits):
-            start = int(hits[-1, 0]) + n
+            follows = (length - (hits + n)).clamp(max=num_tokens)
+            start = int(hits[follows == follows.max()][-1]) + n
             return row[start : start + num_tokens]
     return row[:0]
 
@@ -317,7 +321,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if not slots:
             return self._propose(input_ids, input_ids[:, :0], None, now, None, 1.0, None)
         proposal = self.draft.propose(
-            torch.cat(self.pending, dim=1),
+            self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1),
             input_ids[:, -1].to(self.device),
             self.cache,
             prefix_ids=input_ids.to(self.device) if self.logits_processor else None,

@@ -33,29 +33,28 @@ class CostTable:
 
     def __init__(self):
         self.samples: dict[int, list[float]] = {}
-
-    @property
-    def seconds(self) -> dict[int, float]:
-        return {size: min(samples) for size, samples in self.samples.items()}
+        self.seconds: dict[int, float] = {}  # size -> the estimate (the least of its recent samples)
+        self._sizes: list[int] = []  # measured sizes, ascending
 
     def observe(self, size: int, seconds: float) -> None:
         samples = self.samples.setdefault(size, [])
         samples.append(seconds)
         del samples[:-COST_SAMPLES]
+        if size not in self.seconds:
+            self._sizes = sorted([*self._sizes, size])
+        self.seconds[size] = min(samples)
 
     def estimate(self, size: int) -> float | None:
-        seconds = self.seconds
-        if size in seconds:
-            return seconds[size]
-        above = [n for n in seconds if n > size]
-        if not above:
+        seconds = self.seconds.get(size)
+        if seconds is not None:
+            return seconds
+        above = next((n for n in self._sizes if n > size), None)
+        if above is None:
             return None
-        high = min(above)
-        below = [n for n in seconds if n < size]
-        if not below:
-            return seconds[high]
-        low = max(below)
-        return seconds[low] + (size - low) / (high - low) * (seconds[high] - seconds[low])
+        below = next((n for n in reversed(self._sizes) if n < size), None)
+        if below is None:
+            return self.seconds[above]
+        return self.seconds[below] + (size - below) / (above - below) * (self.seconds[above] - self.seconds[below])
 
 
 class AcceptanceRates:
