@@ -11,9 +11,10 @@ import os
 
 import pytest
 import torch
+from transformers import GenerationConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import draft_fields, random_dflash, random_dspark, tiny_target
+from tiny import draft_fields, random_dflash, random_dflash2, random_dspark, tiny_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, kernels_dflash
 from dflash_hf.kernels import KERNEL_SOURCE, reference_ops, write_hub_repo
@@ -260,6 +261,57 @@ def test_markov_walk_big_vocab(ops):
     assert_walk(ops, case, None, 1.0, True, False)
 
 
+def selector_case(batch, num, top_k, rank, vocab, dtype, g):
+    unary, candidates = (torch.randn(batch, num, vocab, generator=g) * 2.0).topk(top_k, -1)
+    return dict(unary=unary, candidates=candidates, projected=sample((batch, num, rank), dtype, g),
+                predecessor=sample((vocab, rank), dtype, g), successor=sample((vocab, rank), dtype, g, rank**-0.5),
+                anchor_ids=torch.randint(0, vocab, (batch,), generator=g))
+
+
+def assert_selector_walk(ops, case, uniforms, temperature, return_scores):
+    """Equal picks, or a rounding tie at a row's first differing slot (later slots condition on it); the scores
+    equal up to there."""
+    args = (*case.values(), uniforms, temperature)
+    ids, scores = ops.selector_walk(*args, return_scores)
+    ref_ids, ref_scores = REF.selector_walk(*args, True)
+    assert ids.shape == ref_ids.shape and (scores.shape == ref_scores.shape if return_scores else scores.numel() == 0)
+    for row in range(ids.shape[0]):
+        differ = (ids[row] != ref_ids[row]).nonzero()
+        first = int(differ[0, 0]) if len(differ) else ids.shape[1]
+        if return_scores:
+            close(scores[row, : first + 1], ref_scores[row, : first + 1], 1e-4)
+        if first == ids.shape[1]:
+            continue
+        cands, s = case["candidates"][row, first], ref_scores[row, first]
+        got, want = (int((cands == t[row, first]).nonzero()[0, 0]) for t in (ids, ref_ids))
+        if uniforms is None:
+            assert abs(float(s[got] - s[want])) <= 1e-4 * max(1.0, abs(float(s[want]))), (row, first)
+        else:
+            assert_same_draw(torch.tensor([got]), torch.tensor([want]), torch.exp(s - s.max())[None],
+                             uniforms[row : row + 1, first])
+
+
+@HYPOTHESIS
+@given(batch=st.integers(1, 3), num=st.sampled_from([1, 7, 15]), top_k=st.sampled_from([1, 2, 16, 17]),
+       rank=st.sampled_from([1, 7, 64, 256]), vocab=st.sampled_from([40, 1000]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), sampled=st.booleans(),
+       temperature=st.sampled_from([1.0, 0.7]), return_scores=st.booleans(), seed=st.integers(0, 2**16))
+def test_selector_walk(ops, batch, num, top_k, rank, vocab, dtype, sampled, temperature, return_scores, seed):
+    g = torch.Generator().manual_seed(seed)
+    case = selector_case(batch, num, top_k, rank, vocab, dtype, g)
+    uniforms = torch.rand(batch, num, generator=g) if sampled else None
+    assert_selector_walk(ops, case, uniforms, temperature, return_scores)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_selector_walk_released_draft_shape(ops, sampled):
+    """z-lab/Qwen3.8-27B-DFlash2's selector: vocabulary 248320, rank 256, top-16, block 8 (7 slots)."""
+    g = torch.Generator().manual_seed(1)
+    case = selector_case(1, 7, 16, 256, 248320, torch.float32, g)
+    uniforms = torch.rand(1, 7, generator=g) if sampled else None
+    assert_selector_walk(ops, case, uniforms, 1.0, True)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The draft's dispatch: kernels on against kernels off, on our own models
 # ---------------------------------------------------------------------------------------------------------------------
@@ -338,6 +390,70 @@ def test_dspark_walk_kernels_match_torch(monkeypatch, pruned, sample_from_anchor
         assert off[0].draft_ids.shape[1] < draft.config.num_speculative_slots
 
 
+def test_dflash2_walk_kernels_match_torch(monkeypatch):
+    """Greedy: the same proposals and q with kernels on and off. Sampled (other draws than torch's): the kernel's q
+    is, slot by slot, the torch walk's scores along the kernel's own picks, over the temperature."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    from dflash_hf import modeling_dflash2
+    from dflash_hf.modeling_dflash2 import scatter_candidates, selector_walk
+
+    launched = []
+    dispatch = modeling_dflash2.selector_walk_kernel
+    monkeypatch.setattr(modeling_dflash2, "selector_walk_kernel",
+                        lambda *args: launched.append(dispatch(*args)) or launched[-1])
+    target = tiny_target("qwen3")
+    draft = spread(random_dflash2(target, block_size=8, num_layers=2, rope_theta=10.0, selector_top_k=6))
+    draft.bind_target(target)
+    context = torch.randn(1, 6, draft.fc.in_features)
+    anchor = torch.tensor([11])
+    off = with_kernels(monkeypatch, "0", lambda: propose_twice(draft, context, anchor, need_logits=True))
+    on = with_kernels(monkeypatch, "1", lambda: propose_twice(draft, context, anchor, need_logits=True))
+    assert draft.__dict__["_kernel_path"] is not None
+    for a, b in zip(off[:2], on[:2]):
+        assert torch.equal(a.draft_ids, b.draft_ids)
+        finite = torch.isfinite(a.draft_logits)
+        assert torch.equal(finite, torch.isfinite(b.draft_logits)) and int(finite[0, 0].sum()) == 6
+        close(b.draft_logits[finite], a.draft_logits[finite], 1e-4)
+    assert len(set(off[0].draft_ids[0].tolist())) > 1  # the check can fail: proposals vary
+
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    sampled = with_kernels(monkeypatch, "1", lambda: draft.propose(
+        context, anchor, DFlashContextCache(), do_sample=True, need_logits=True, logits_processor=processors,
+        prefix_ids=anchor[None]))
+    hidden = draft.block_hidden(context, anchor, DFlashContextCache())[:, 1:]
+    selector = draft.candidate_selector
+    unary, candidates = selector.candidates(draft.logits(hidden).float())
+    prev = torch.cat([anchor[:, None], sampled.draft_ids[:, :-1]], 1)
+    _, scores = selector_walk(unary, candidates, selector.hidden_projection(hidden), selector.predecessor_codebook,
+                              selector.successor_codebook, prev)
+    expected = scatter_candidates(scores / 0.7, candidates, draft.config.vocab_size)
+    finite = torch.isfinite(expected)
+    assert [walked is not None for walked in launched] == [False, False, True, True, True]  # torch twice, then Triton
+    assert torch.equal(finite, torch.isfinite(sampled.draft_logits))
+    close(sampled.draft_logits[finite], expected[finite], 1e-4)
+    assert bool(finite.gather(-1, sampled.draft_ids[..., None]).all())  # each pick is one of its slot's candidates
+
+
+def test_dflash2_generation_identical_with_kernels(monkeypatch):
+    target = tiny_target("qwen3")
+    draft = spread(random_dflash2(target, block_size=4, num_layers=2, rope_theta=10.0))
+    proposals = recording(draft)
+    prompt = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    fixed = GenerationConfig(dflash_policy="fixed")  # full blocks every step, whatever the timings
+    runs = {}
+    for mode in ("0", "1"):
+        proposals.clear()
+        out = with_kernels(monkeypatch, mode, lambda: target.generate(
+            prompt, assistant_model=draft, max_new_tokens=10, do_sample=False, generation_config=fixed))
+        runs[mode] = (out, list(proposals), draft.generation_stats["kernels"])
+    assert torch.equal(runs["0"][0], runs["1"][0])
+    assert len(runs["0"][1]) == len(runs["1"][1]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"][1], runs["1"][1]))
+    assert any(len(set(ids[0].tolist())) > 1 for ids in runs["0"][1])  # varied proposals: the check can fail
+    assert (runs["0"][2], runs["1"][2]) == ("torch", "triton:local")
+
+
 def recording(draft):
     proposals = []
     propose = draft.propose
@@ -361,8 +477,9 @@ def test_generation_identical_with_kernels(monkeypatch, kind):
     runs = {}
     for mode in ("0", "1"):
         proposals.clear()
-        out = with_kernels(monkeypatch, mode, lambda: target.generate(prompt, assistant_model=draft, max_new_tokens=10,
-                                                                      do_sample=False))
+        out = with_kernels(monkeypatch, mode, lambda: target.generate(
+            prompt, assistant_model=draft, max_new_tokens=10, do_sample=False,
+            generation_config=GenerationConfig(dflash_policy="fixed")))  # a block every step, on both paths
         runs[mode] = (out, list(proposals), dict(draft.generation_stats))
     assert torch.equal(runs["0"][0], runs["1"][0])
     assert len(runs["0"][1]) == len(runs["1"][1]) > 1

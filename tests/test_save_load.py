@@ -11,8 +11,9 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 import dflash_hf
-from dflash_hf import REMOTE_CODE_FILES, DFlashConfig, DFlashContextCache, DSparkConfig, DSparkDraftModel
-from tiny import assert_same_logits, random_dflash, random_dspark, tiny_target
+from dflash_hf import (DFLASH2_CODE_FILES, REMOTE_CODE_FILES, DFlashConfig, DFlashContextCache, DSparkConfig,
+                       DSparkDraftModel)
+from tiny import assert_same_logits, random_dflash, random_dflash2, random_dspark, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_target_layers=6)
@@ -69,7 +70,7 @@ def test_auto_classes_are_registered():
 
 
 def test_top_level_remote_code_files_are_the_package_files():
-    for name in REMOTE_CODE_FILES:
+    for name in REMOTE_CODE_FILES + DFLASH2_CODE_FILES:
         assert (ROOT / name).read_bytes() == (ROOT / "src" / "dflash_hf" / name).read_bytes()
 
 
@@ -80,14 +81,24 @@ def proposals(draft, target, seed=0):
     return draft.propose(context, torch.tensor([3]), DFlashContextCache(), need_logits=True)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def code_files(kind: str) -> tuple[str, ...]:
+    """The remote-code files a saved draft of this kind carries."""
+    return REMOTE_CODE_FILES + (DFLASH2_CODE_FILES if kind == "dflash2" else ())
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_save_load_round_trip(tmp_path, kind):
     target = tiny_target("qwen3")
-    draft = random_dflash(target, num_layers=2) if kind == "dflash" else random_dspark(target, markov_head_type="gated")
+    draft = {"dflash": lambda: random_dflash(target, num_layers=2),
+             "dspark": lambda: random_dspark(target, markov_head_type="gated"),
+             "dflash2": lambda: random_dflash2(target, num_layers=2)}[kind]()
     draft.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["auto_map"]["AutoModel"] == f"modeling_dflash.{type(draft).__name__}"
-    assert all((tmp_path / name).exists() for name in REMOTE_CODE_FILES)
+    module = "modeling_dflash2" if kind == "dflash2" else "modeling_dflash"
+    assert config["auto_map"]["AutoModel"] == f"{module}.{type(draft).__name__}"
+    assert all((tmp_path / name).exists() for name in code_files(kind))
+    if kind != "dflash2":  # a DFlash or DSpark draft carries no DFlash 2 code
+        assert not any((tmp_path / name).exists() for name in DFLASH2_CODE_FILES)
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(draft)
     a, b = proposals(draft, target), proposals(loaded, target)
@@ -135,10 +146,10 @@ REMOTE_ONLY = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_remote_code_alone_generates_identically(tmp_path, kind):
     target = tiny_target("llama")
-    draft = random_dflash(target, block_size=5) if kind == "dflash" else random_dspark(target, block_size=5)
+    draft = {"dflash": random_dflash, "dspark": random_dspark, "dflash2": random_dflash2}[kind](target, block_size=5)
     draft.save_pretrained(tmp_path / "draft")
     target.save_pretrained(tmp_path / "target")
     prompt = [5, 9, 17, 33, 4]

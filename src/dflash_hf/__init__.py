@@ -1,4 +1,4 @@
-"""dflash-hf: block-diffusion speculative decoding (DFlash, DSpark) inside Hugging Face transformers.
+"""dflash-hf: block-diffusion speculative decoding (DFlash, DSpark, DFlash 2) inside Hugging Face transformers.
 
 Importing the package registers the draft configs and models with `AutoConfig`/`AutoModel` and installs the
 `generate` hook, so `target.generate(**inputs, assistant_model=draft)` drafts blocks. It also registers the
@@ -8,6 +8,7 @@ Importing the package registers the draft configs and models with `AutoConfig`/`
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
+from .configuration_dflash2 import DFlash2Config
 from .exact_attention import EXACT_ATTENTION
 from .formats import export_draft, load_draft
 from .generation_dflash import (
@@ -17,16 +18,22 @@ from .generation_dflash import (
     install_generate_hook,
 )
 from .modeling_dflash import DFlashContextCache, DFlashDraftModel, DraftProposal, DSparkDraftModel, check_vocab_mapping
+from .modeling_dflash2 import DFlash2DraftModel
 
 __version__ = "0.1.0"
 
 # The Hub remote-code files: `save_pretrained` copies them beside a draft's weights (modeling_dflash.py and its
-# flat relative imports), and the repo root holds a symlink to each.
-REMOTE_CODE_FILES = ("configuration_dflash.py", "generation_dflash.py", "kernels_dflash.py", "modeling_dflash.py")
+# flat relative imports), and the repo root holds a symlink to each. A DFlash 2 draft carries the DFLASH2_CODE_FILES
+# besides (modeling_dflash2.py imports the others); a DFlash or DSpark draft does not.
+REMOTE_CODE_FILES = ("configuration_dflash.py", "generation_dflash.py", "kernels_dflash.py", "modeling_dflash.py",
+                     "policy_dflash.py")
+DFLASH2_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py")
 
 
 def _register() -> None:
-    for config_class, model_class in ((DFlashConfig, DFlashDraftModel), (DSparkConfig, DSparkDraftModel)):
+    for config_class, model_class in (
+        (DFlashConfig, DFlashDraftModel), (DSparkConfig, DSparkDraftModel), (DFlash2Config, DFlash2DraftModel)
+    ):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         AutoModel.register(config_class, model_class, exist_ok=True)
         # `save_pretrained` then writes `auto_map` and copies the two remote-code files beside the weights.
@@ -37,6 +44,9 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "DFLASH2_CODE_FILES",
+    "DFlash2Config",
+    "DFlash2DraftModel",
     "DFlashCandidateGenerator",
     "DFlashConfig",
     "DFlashContextCache",

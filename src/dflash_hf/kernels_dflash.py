@@ -16,7 +16,7 @@ KERNELS_REPO_ID = "dflash-hf/dflash-kernels"
 KERNELS_VERSION = 1  # Hub branch `v1` = the kernel package's API_VERSION
 KERNELS_ENV = "DFLASH_KERNELS"
 _KERNEL_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
-_KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "verify_greedy", "verify_rejection")
+_KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "verify_greedy", "verify_rejection", "selector_walk")
 # Ops `auto` leaves to torch because their kernel measured slower than torch on a GPU (`scripts/gpu_check.sh` on an
 # H200, docs/gpu_check_h200.txt): the walk runs one program per row, 5-25x slower than torch's per-slot launches at
 # Kimi/Qwen sizes. `on` still runs them (that is how they are tested).
@@ -228,6 +228,28 @@ def markov_walk_kernel(path: KernelPath | None, draft, hidden, base, anchor_ids,
             stop = int(below[0, 0])
     return (ids[:, :stop], logits[:, :stop] if need_logits else None,
             confidence[:, : stop + 1] if conf_head is not None else None)
+
+
+def selector_walk_kernel(path: KernelPath | None, draft, unary, candidates, projected, anchor_ids, logits_processor,
+                         do_sample, need_logits) -> tuple | None:
+    """DFlash 2's candidate walk in one launch -> (ids [B, S], scores [B, S, K] divided by the temperature, or None
+    unless `need_logits`), or None when the torch walk must run (no kernels, processors beyond temperature).
+
+    Sampling draws one uniform per slot up front (same distribution as the torch walk's multinomial, other draws).
+    """
+    if path is None or not path.runs("selector_walk"):
+        return None
+    temperature = plain_temperature(logits_processor)
+    if temperature is None:
+        return None
+    selector = draft.candidate_selector
+    uniforms = torch.rand(unary.shape[:2], device=unary.device) if do_sample else None
+    out = path("selector_walk", unary, candidates, projected, selector.predecessor_codebook,
+               selector.successor_codebook, anchor_ids, uniforms, temperature, bool(need_logits))
+    if out is None:
+        return None
+    ids, scores = out
+    return ids, scores if need_logits else None
 
 
 __all__ = ["KERNELS_ENV", "KERNELS_REPO_ID", "KERNELS_VERSION", "KernelPath", "kernel_mode", "kernel_path_for",

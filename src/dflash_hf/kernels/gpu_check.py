@@ -3,7 +3,8 @@
 Run `scripts/gpu_check.sh` (or `python -m dflash_hf.kernels.gpu_check`). Exit status 0 = all match, 1 = a mismatch,
 2 = no CUDA device. Times are medians of CUDA-event timings after warm-up; "torch" is the reference, which is the
 model's own torch math. Shapes follow Kimi-K2.6's DFlash/DSpark drafts (hidden 7168, 8 KV heads of 128, 6 layers,
-vocabulary 163840, DSpark drafting 32000 kept ids) and a Qwen3-8B-sized one.
+vocabulary 163840, DSpark drafting 32000 kept ids), a Qwen3-8B-sized one, and z-lab/Qwen3.8-27B-DFlash2's selector
+(vocabulary 248320, rank 256, top-16, 7 slots).
 """
 
 import argparse
@@ -26,6 +27,9 @@ FULL = {
     "verify_rejection": [(1, 7, 163840), (4, 15, 151936)],
     "markov_walk": [(1, 8, 163840, 32000, 256, 7168, BF16, False), (1, 8, 163840, 32000, 256, 7168, BF16, True),
                     (4, 16, 151936, 151936, 64, 4096, FP32, False)],
+    # batch, slots, vocabulary, rank, top-K, dtype, sampled
+    "selector_walk": [(1, 7, 248320, 256, 16, BF16, False), (1, 7, 248320, 256, 16, BF16, True),
+                      (4, 15, 151936, 256, 16, FP32, False)],
 }
 TINY = {
     "rms_norm": [(3, 70, FP32)],
@@ -33,6 +37,7 @@ TINY = {
     "verify_greedy": [(2, 7, 3001, FP32)],
     "verify_rejection": [(2, 7, 3001)],
     "markov_walk": [(2, 8, 3001, 700, 8, 48, FP32, False), (2, 8, 3001, 700, 8, 48, FP32, True)],
+    "selector_walk": [(2, 7, 3001, 16, 8, FP32, False), (2, 7, 3001, 16, 8, FP32, True)],
 }
 
 
@@ -182,6 +187,34 @@ def cases(ops, ref, device, shapes):
                f"B{batch} n{num} Vd{draft_vocab}/{vocab} r{rank} H{hidden}", dtype,
                lambda args=args: ops.markov_walk(*args), lambda args=args: ref.markov_walk(*args), walk_check)
 
+    for batch, num, vocab, rank, top_k, dtype, sampled in shapes["selector_walk"]:
+        unary, candidates = randn(batch, num, vocab, scale=2.0).topk(top_k, -1)
+        args = (unary, candidates, randn(batch, num, rank, dtype=dtype), randn(vocab, rank, dtype=dtype),
+                randn(vocab, rank, dtype=dtype, scale=rank**-0.5),
+                torch.randint(0, vocab, (batch,), device=device, generator=g),
+                torch.rand(batch, num, generator=g, device=device) if sampled else None, 1.0, True)
+
+        def selector_check(got, want, args=args, num=num):
+            """Picks equal up to each row's first difference, which must be a near tie of the reference scores
+            (greedy) or a CDF boundary (sampled); scores close up to there."""
+            firsts = dict(first_differences(got[0], want[0]))
+            for row, slot in firsts.items():
+                cands, scores = args[1][row, slot], want[1][row, slot]
+                a, b = (int((cands == t[row, slot]).nonzero()[0, 0]) for t in (got[0], want[0]))
+                if args[6] is None:
+                    ok = abs(float(scores[a] - scores[b])) <= 1e-3 * max(1.0, abs(float(scores[b])))
+                else:
+                    ok = boundary_tie(torch.exp(scores - scores.max()), float(args[6][row, slot]), a, b)
+                if not ok:
+                    return False, float("inf")
+            prefixes = [(got[1][r, : firsts.get(r, num - 1) + 1], want[1][r, : firsts.get(r, num - 1) + 1])
+                        for r in range(got[0].shape[0])]
+            ok = all(torch.allclose(a, b, atol=1e-3, rtol=1e-3) for a, b in prefixes)
+            return ok, max((a - b).abs().max().item() for a, b in prefixes)
+
+        yield ("selector_walk" + (" (sample)" if sampled else ""), f"B{batch} n{num} V{vocab} r{rank} K{top_k}", dtype,
+               lambda args=args: ops.selector_walk(*args), lambda args=args: ref.selector_walk(*args), selector_check)
+
 
 def load_ops(source: str):
     from kernels import get_kernel, get_local_kernel
@@ -238,7 +271,7 @@ def main(argv=None) -> int:
 
 
 def end_to_end(device, source: str) -> bool:
-    """A tiny target with a DFlash and a DSpark draft: proposals with kernels on equal those with torch.
+    """A tiny target with a DFlash, a DSpark and a DFlash 2 draft: proposals with kernels on equal those with torch.
 
     The drafts load the kernels through the model's own loader; for the local source it is pointed at this
     checkout's build with LOCAL_KERNELS, so nothing is fetched.
@@ -246,8 +279,10 @@ def end_to_end(device, source: str) -> bool:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ..configuration_dflash import DFlashConfig, DSparkConfig
+    from ..configuration_dflash2 import DFlash2Config
     from ..kernels_dflash import KERNELS_REPO_ID
     from ..modeling_dflash import DFlashContextCache, DFlashDraftModel, DSparkDraftModel
+    from ..modeling_dflash2 import DFlash2DraftModel
     from . import shipped_kernel_repo
 
     torch.manual_seed(0)
@@ -257,7 +292,9 @@ def end_to_end(device, source: str) -> bool:
                   num_key_value_heads=2, head_dim=16, target_hidden_size=64, num_target_layers=4, block_size=8,
                   mask_token_id=511, rope_theta=10.0)
     drafts = {"dflash": DFlashDraftModel(DFlashConfig(**fields)),
-              "dspark": DSparkDraftModel(DSparkConfig(markov_rank=8, enable_confidence_head=True, **fields))}
+              "dspark": DSparkDraftModel(DSparkConfig(markov_rank=8, enable_confidence_head=True, **fields)),
+              "dflash2": DFlash2DraftModel(DFlash2Config(conv_group_size=16, selector_rank=32, selector_top_k=8,
+                                                         **fields))}
     all_ok = True
     previous = {name: os.environ.get(name) for name in ("DFLASH_KERNELS", "LOCAL_KERNELS")}
     if source == "local":

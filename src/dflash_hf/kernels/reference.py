@@ -2,15 +2,16 @@
 kernels are tested against (here and by `gpu_check`).
 
 Where the model computes the same thing, the reference calls the model's own function (`rms_norm`, `apply_rope`,
-`markov_walk` of `modeling_dflash.py`), so the kernels are held to the math generation and training run. Randomness
-enters only through the uniforms passed in, so results are deterministic. Not part of the Hub kernel package, which
-may import nothing but torch and triton.
+`markov_walk` of `modeling_dflash.py`, `selector_walk` of `modeling_dflash2.py`), so the kernels are held to the math
+generation and training run. Randomness enters only through the uniforms passed in, so results are deterministic. Not
+part of the Hub kernel package, which may import nothing but torch and triton.
 """
 
 import torch
 import torch.nn.functional as F
 
 from ..modeling_dflash import apply_rope, markov_walk as model_markov_walk, rms_norm
+from ..modeling_dflash2 import selector_walk as model_selector_walk
 
 
 def context_kv(
@@ -157,3 +158,38 @@ def markov_walk(
         return ids, logits if return_logits else empty, empty, empty
     conf = torch.sigmoid(conf_logits.float())
     return ids, logits if return_logits else empty, conf, conf.cumprod(1)
+
+
+def selector_walk(
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    projected: torch.Tensor,
+    predecessor: torch.Tensor,
+    successor: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    return_scores: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash 2's left-to-right candidate walk over one block (`modeling_dflash2.selector_walk`).
+
+    unary: [B, n, K] top-K draft logits; candidates: [B, n, K] their target ids; projected: [B, n, r] the slot states
+    through `hidden_projection`; predecessor, successor: [V, r] codebooks; anchor_ids: [B]; uniforms: [B, n] to sample
+    (inverse CDF of softmax(scores / temperature) over the K candidates), None = argmax.
+    Slot k's scores are (unary_k + <P[prev_k] * projected_k, S[c]>) / temperature; prev_0 is the anchor and
+    prev_{k+1} the candidate picked at k. Returns ids [B, n] and the scores [B, n, K] (empty unless return_scores).
+    """
+    batch, num, top_k = unary.shape
+
+    def choose(k, scores, cands):
+        scores = scores / temperature
+        if uniforms is None:
+            pick = scores.argmax(-1)
+        else:
+            pick = inverse_cdf(torch.exp(scores - scores.amax(-1, keepdim=True)), uniforms[:, k])
+        return cands.gather(1, pick[:, None])[:, 0], scores if return_scores else None
+
+    ids, scores = model_selector_walk(unary.float(), candidates, projected, predecessor, successor, anchor_ids, choose)
+    if not return_scores:
+        return ids, unary.new_zeros(0, dtype=torch.float32)
+    return ids, scores if scores is not None else unary.new_zeros(batch, 0, top_k, dtype=torch.float32)

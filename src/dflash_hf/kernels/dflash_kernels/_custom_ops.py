@@ -8,7 +8,7 @@ import hashlib
 
 import torch
 
-from . import _context_kv, _markov, _rmsnorm, _verify
+from . import _context_kv, _markov, _rmsnorm, _selector, _verify
 
 NAMESPACE = "dflash_kernels_" + hashlib.sha1(f"{__name__}:{__file__}".encode()).hexdigest()[:12]
 
@@ -116,3 +116,29 @@ def _(base_logits, hidden, anchor_ids, w1, w2, d2t, conf_weight, conf_bias, unif
     confidence = base_logits.new_empty((batch, num) if conf_weight is not None else (0,), dtype=torch.float32)
     return (base_logits.new_empty((batch, num), dtype=torch.long), logits, confidence,
             confidence.new_empty(confidence.shape))
+
+
+@_op("selector_walk")
+def selector_walk(
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    projected: torch.Tensor,
+    predecessor: torch.Tensor,
+    successor: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    return_scores: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash 2's candidate walk over one block: (ids, scores); see `reference.selector_walk`."""
+    if candidates.shape != unary.shape:
+        raise ValueError(f"selector_walk: candidates {tuple(candidates.shape)} and unary {tuple(unary.shape)} differ.")
+    return _selector.selector_walk(unary, candidates, projected, predecessor, successor, anchor_ids, uniforms,
+                                   temperature, return_scores)
+
+
+@selector_walk.register_fake
+def _(unary, candidates, projected, predecessor, successor, anchor_ids, uniforms, temperature, return_scores):
+    batch, num, top_k = unary.shape
+    scores = unary.new_empty((batch, num, top_k) if return_scores else (0,), dtype=torch.float32)
+    return unary.new_empty((batch, num), dtype=torch.long), scores

@@ -1,0 +1,1 @@
+src/dflash_hf/configuration_dflash2.py

@@ -1,0 +1,1 @@
+src/dflash_hf/modeling_dflash2.py
