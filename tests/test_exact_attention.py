@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny import random_dspark
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf.exact_attention import EXACT_ATTENTION, visible_key_counts
 
@@ -110,6 +110,9 @@ def test_padding_takes_the_fused_path():
     assert torch.equal(got, want)  # the very same SDPA call
 
 
+FULL_BLOCKS = GenerationConfig(dflash_policy="fixed")  # verify a block every step: what the attention must get right
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_speculative_greedy_equals_the_target_alone(family):
     target = bf16_target(family, EXACT_ATTENTION)
@@ -125,7 +128,7 @@ def test_bf16_speculative_greedy_equals_the_target_alone(family):
             ids = torch.randint(3, 90, (1, length), generator=generator)
             alone = target.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=None)
             assisted = target.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=None,
-                                       assistant_model=draft)
+                                       assistant_model=draft, generation_config=FULL_BLOCKS)
             mismatches[attention] += assisted.tolist() != alone.tolist()
     assert mismatches[EXACT_ATTENTION] == 0
     assert mismatches["sdpa"] > 0  # the negative control: bf16 SDPA does part ways on near-ties

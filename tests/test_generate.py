@@ -34,6 +34,10 @@ def pair(family: str, kind: str):
 
 
 def greedy(target, ids, **kwargs):
+    """Greedy generation; with a draft, full blocks every step (the fixed policy) so every step verifies proposals:
+    the length policy only chooses how many (tests/test_policy.py covers its choices, any k, being exact)."""
+    if "assistant_model" in kwargs:
+        kwargs.setdefault("generation_config", FIXED)
     return target.generate(ids, do_sample=False, **kwargs)
 
 

@@ -4,10 +4,13 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from dflash_hf.policy_dflash import (
     PROBE_INTERVAL,
+    PROBE_INTERVAL_MAX,
     AcceptanceRates,
     CostTable,
     LengthPolicy,
@@ -91,14 +94,21 @@ def test_hopeless_drafting_still_probes_less_and_less_often():
     for _ in range(20):
         policy.costs.rates("draft").observe(7, 0)
     probes = []
-    for step in range(200):
+    for step in range(500):
         slots, probe = policy.plan_draft("draft")
         if probe:
             probes.append(step)
         policy.record("draft" if slots else None, slots, 0, probe, 0.1)
     assert probes[0] == PROBE_INTERVAL - 1
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
+    assert gaps[:4] == [2 * PROBE_INTERVAL, 4 * PROBE_INTERVAL, 8 * PROBE_INTERVAL, 16 * PROBE_INTERVAL]
+    assert set(gaps[4:]) <= {PROBE_INTERVAL_MAX}
+    # The schedule belongs to the measurements, not the call: a new call does not start probing afresh.
+    call = LengthPolicy(policy.costs, max_slots=7)
+    call.costs.idle_steps = 0
+    for _ in range(2 * PROBE_INTERVAL):
+        assert call.plan_draft("draft") == (0, False)
+        call.record(None, 0, 0, False, 0.1)
 
 
 def test_fixed_policy_is_todays_behaviour():
@@ -150,3 +160,34 @@ def test_generate_drafts_full_blocks_when_rows_are_cheap_and_drafts_right():
     assert steps[0]["k"] == 0  # measuring a decode step
     slots = draft.config.num_speculative_slots
     assert sum(step["k"] == slots for step in steps) >= len(steps) - 3  # then full blocks, all accepted
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_length_choice_is_exact(data):
+    """Whatever k the policy picks each step (0 = decode, a cut block, a cut lookup), greedy output is the target's."""
+    target = make_successor_target(tiny_target("llama", vocab_size=16))
+    wrong = data.draw(st.sets(st.integers(0, 15), max_size=5), label="draft wrong after")
+    draft = oracle_dspark(target, block_size=data.draw(st.integers(2, 8), label="block"), wrong_after=wrong)
+    lookup = data.draw(st.sampled_from([None, 3, 9]), label="lookup tokens")
+    choices = iter(data.draw(st.lists(st.integers(0, 9), min_size=80, max_size=80), label="k per step"))
+    original_choose = LengthPolicy.choose
+
+    def plan(self, source):
+        return next(choices), False
+
+    def choose(self, source, available, confidence, draft_seconds):
+        _, expected, seconds = original_choose(self, source, available, confidence, draft_seconds)
+        return min(next(choices), available), expected, seconds
+
+    ids = torch.tensor([data.draw(st.lists(st.integers(0, 15), min_size=1, max_size=6), label="prompt")])
+    max_new = data.draw(st.integers(1, 40), label="max_new_tokens")
+    expected = target.generate(ids, do_sample=False, max_new_tokens=max_new, eos_token_id=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LengthPolicy, "plan_draft", plan)
+        patch.setattr(LengthPolicy, "choose", choose)
+        out = target.generate(ids, do_sample=False, max_new_tokens=max_new, eos_token_id=None, assistant_model=draft,
+                              prompt_lookup_num_tokens=lookup)
+    assert out.tolist() == expected.tolist()
+    steps = draft.generation_stats["policy"]
+    assert all(len(p) == step["k"] for p, step in zip(draft.generation_stats["proposals"], steps))

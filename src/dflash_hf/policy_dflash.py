@@ -20,8 +20,10 @@ COST_SAMPLES = 8
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
 ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
-# Steps without any proposal before a forced probe; doubled after each probe, up to the maximum.
-PROBE_INTERVAL, PROBE_INTERVAL_MAX = 4, 64
+# Steps without any proposal before a forced probe; doubled after each probe (across calls), up to the maximum, and
+# back to the start once the policy drafts of its own accord. At the maximum a hopeless draft costs about 1% of a
+# CPU's decode time in probes.
+PROBE_INTERVAL, PROBE_INTERVAL_MAX = 8, 128
 POLICIES = ("auto", "fixed")
 
 
@@ -106,6 +108,8 @@ class MeasuredCosts:
         self.verify = CostTable()  # by rows: 1 = a plain decode step
         self.draft: dict[str, CostTable] = {}  # by source, by slots drafted
         self.acceptance: dict[str, AcceptanceRates] = {}
+        self.idle_steps = 0  # steps in a row that proposed nothing
+        self.probe_interval = PROBE_INTERVAL
         self.lock = threading.Lock()
 
     def draft_table(self, source: str) -> CostTable:
@@ -137,8 +141,6 @@ class LengthPolicy:
         if mode not in POLICIES:
             raise ValueError(f"`dflash_policy` = {mode!r}; expected one of {POLICIES}.")
         self.costs, self.max_slots, self.mode = costs, max_slots, mode
-        self.idle_steps = 0  # steps in a row that proposed nothing
-        self.probe_interval = PROBE_INTERVAL
 
     @property
     def adaptive(self) -> bool:
@@ -173,7 +175,7 @@ class LengthPolicy:
             rates = self.costs.rates(source).rates(self.max_slots)
             table = self.costs.draft_table(source)
             k, _, _ = self.best(rates, table.estimate, allow_zero=True)
-            if k == 0 and self.idle_steps + 1 >= self.probe_interval:
+            if k == 0 and self.costs.idle_steps + 1 >= self.costs.probe_interval:
                 k, _, _ = self.best(rates, table.estimate, allow_zero=False)
                 return k, True
             return k, False
@@ -198,11 +200,13 @@ class LengthPolicy:
             self.costs.verify.observe(proposed + 1, seconds)
             if source is not None and proposed:
                 self.costs.rates(source).observe(proposed, accepted)
-        if proposed:
-            self.idle_steps = 0
-            if probe:
-                self.probe_interval = min(2 * self.probe_interval, PROBE_INTERVAL_MAX)
+            if not self.adaptive:  # a fixed-length call teaches costs and acceptance, not the probing schedule
+                return
+            if proposed:
+                self.costs.idle_steps = 0
+                if probe:
+                    self.costs.probe_interval = min(2 * self.costs.probe_interval, PROBE_INTERVAL_MAX)
+                else:
+                    self.costs.probe_interval = PROBE_INTERVAL
             else:
-                self.probe_interval = PROBE_INTERVAL
-        else:
-            self.idle_steps += 1
+                self.costs.idle_steps += 1
