@@ -2,13 +2,15 @@
 
 Each `write_*` takes a reference draft in our format (the ground truth for the tests) and writes its weights in one
 dialect: that dialect's config keys, tensor names, layer-id convention, vocabulary maps and Markov-projection layout,
-as read from the dialect's public code (z-lab `dflash/model.py` and its Hub configs; NVIDIA ModelOpt
-`hf_spec_export.DFlashExporter`; speculators `models/dflash|dspark`; DeepSpec `modeling/dspark`). Nothing here uses
-`dflash_hf.formats`: these files are what its loader is checked against.
+as read from the dialect's public code (z-lab `dflash/model.py` and its Hub configs, `dflash` 0.1.0 for DFlash 2;
+NVIDIA ModelOpt `hf_spec_export.DFlashExporter`; speculators `models/dflash|dspark|dflash2`; DeepSpec
+`modeling/dspark`). Nothing here uses `dflash_hf.formats`: these files are what its loader is checked against.
 
 Reference drafts include the Kimi-K2.6 shapes scaled down: nvidia/Kimi-K2.6-DFlash (6 layers over 61 target layers,
 YaRN factor 16 over 4096, theta 50000, block 8) and novita/kimi-k2.6-dspark (3 layers, aux ids [1, 29, 57], a pruned
 draft vocabulary with d2t/t2d, vanilla Markov head and a confidence head reading it, block 8, sample_from_anchor).
+The DFlash 2 reference scales down z-lab's released Qwen3.8-27B-DFlash2 (5 sliding-window layers, block 8, 2 taps in
+groups of 16 channels, top-16 candidates; REFERENCE.md section 9).
 """
 
 import json
@@ -18,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, DSparkConfig, DSparkDraftModel
+from dflash_hf import DFlash2Config, DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DSparkConfig, DSparkDraftModel
 
 # Kimi-K2.6 shapes, hidden sizes divided down; layer counts, layer ids, block size and RoPE kept.
 KIMI_TARGET_LAYERS = 61
@@ -37,6 +39,10 @@ KIMI_VERIFIER = "moonshotai/Kimi-K2.6"
 TINY = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             intermediate_size=48, block_size=4, mask_token_id=95, rope_theta=10000.0, max_position_embeddings=512)
 TINY_TARGET_LAYERS = 4
+# z-lab/Qwen3.8-27B-DFlash2 scaled down: every layer slides (window 2048 there, 6 here, so it binds in the tests),
+# block 8, 2 taps over groups of 16 channels, top-16 candidates (rank 256 there, 16 here).
+RELEASED_DFLASH2 = dict(num_hidden_layers=5, layer_types=["sliding_attention"] * 5, sliding_window=6, block_size=8,
+                        conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=16)
 
 
 def _randomize(model):
@@ -80,6 +86,27 @@ def tiny_dflash_draft(seed: int = 0, num_layers: int = 2, layer_ids=(0, 2), own_
     config = DFlashConfig(**{**TINY, **extra}, num_hidden_layers=num_layers, num_target_layers=TINY_TARGET_LAYERS,
                           target_layer_ids=list(layer_ids), shares_target_embeddings=not own_embeddings)
     return _randomize(DFlashDraftModel(config)).to(torch.bfloat16)
+
+
+def tiny_dflash2_draft(seed: int = 0, num_layers: int = 2, layer_ids=(0, 2), spread: float = 0.5,
+                       dtype=torch.bfloat16, **extra) -> DFlash2DraftModel:
+    """A DFlash 2 draft borrowing the target's embedding and head (as z-lab's and speculators' do), with its
+    convolutions and codebooks moved well off their initialisation (identity taps and near-zero codebooks would
+    hide a tensor loaded into the wrong slot)."""
+    torch.manual_seed(seed)
+    fields = {**TINY, "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5,
+              "num_hidden_layers": num_layers, **extra}
+    config = DFlash2Config(**fields, num_target_layers=TINY_TARGET_LAYERS, target_layer_ids=list(layer_ids))
+    draft = _randomize(DFlash2DraftModel(config))
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "_conv." in name or "candidate_selector." in name:
+                param.add_(spread * torch.randn_like(param))
+    return draft.to(dtype)
+
+
+def released_dflash2_draft(seed: int = 0, dtype=torch.bfloat16) -> DFlash2DraftModel:
+    return tiny_dflash2_draft(seed, layer_ids=(0, 1, 2), dtype=dtype, **RELEASED_DFLASH2)
 
 
 def tiny_dspark_draft(seed: int = 0, head_type: str = "vanilla", markov_rank: int = 4, confidence: bool = True,
@@ -187,6 +214,46 @@ def write_zlab(folder, draft, shards: int = 1) -> Path:
     return write_folder(folder, zlab_config(draft), body_tensors(draft), shards)
 
 
+def zlab_dflash2_config(draft, top_level: bool = False) -> dict:
+    """A DFlash 2 config as z-lab's `dflash` 0.1.0 reads it: architecture `DFlash2DraftModel` on a Qwen3 config, the
+    DFlash fields and the four DFlash 2 ones in `dflash_config` (the released drafts) or, `top_level`, beside the
+    layer fields (`_draft_value` reads either). Bidirectional sliding layers are `is_causal: false` at the top level;
+    causal ones leave it null, z-lab's default."""
+    c = draft.config
+    config = zlab_config(draft)
+    del config["auto_map"]  # the released DFlash 2 drafts run on z-lab's pip package, not on remote code
+    config["architectures"] = ["DFlash2DraftModel"]
+    fields = {**config.pop("dflash_config"), "block_size": config.pop("block_size"), "conv_kernel_size":
+              c.conv_kernel_size, "conv_group_size": c.conv_group_size, "selector_rank": c.selector_rank,
+              "selector_top_k": c.selector_top_k}
+    if top_level:
+        config.update(fields)
+        config["is_causal"] = None
+    else:
+        config["dflash_config"] = fields
+    if "sliding_attention" in c.layer_types:
+        config.update(sliding_window=c.sliding_window, use_sliding_window=True)
+        if not c.sliding_window_causal:
+            config["is_causal"] = False
+    return config
+
+
+def dflash2_body_tensors(draft, suffixed_codebooks: bool = False) -> dict:
+    """The DFlash 2 body: the DFlash one plus the convolutions and the selector (codebooks bare, as released, or
+    with the `.weight` a re-save from z-lab's `nn.Embedding` codebooks would give them)."""
+    tensors = body_tensors(draft)
+    if suffixed_codebooks:
+        for name in ("predecessor_codebook", "successor_codebook"):
+            tensors[f"candidate_selector.{name}.weight"] = tensors.pop(f"candidate_selector.{name}")
+    return tensors
+
+
+def write_zlab_dflash2(folder, draft, top_level: bool = False, suffixed_codebooks: bool = False,
+                       shards: int = 1) -> Path:
+    return write_folder(folder, zlab_dflash2_config(draft, top_level), dflash2_body_tensors(draft, suffixed_codebooks),
+                        shards)
+
+
 def write_modelopt(folder, draft, shards: int = 1) -> Path:
     return write_folder(folder, modelopt_config(draft), body_tensors(draft), shards)
 
@@ -209,14 +276,15 @@ def speculators_layer_config(draft, legacy: bool = False) -> dict:
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_hidden_layers,
                 "layer_types": list(c.layer_types), "attention_dropout": c.attention_dropout,
                 "torch_dtype": dtype_name(draft), "transformers_version": "4.57.1"}
+    sliding = "sliding_attention" in c.layer_types
     return Qwen3Config(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_act=c.hidden_act,
         max_position_embeddings=c.max_position_embeddings, initializer_range=c.initializer_range,
         rms_norm_eps=c.rms_norm_eps, attention_bias=c.attention_bias, attention_dropout=c.attention_dropout,
-        rope_parameters=dict(c.rope_parameters), layer_types=list(c.layer_types), use_sliding_window=False,
-        sliding_window=None, tie_word_embeddings=False,
+        rope_parameters=dict(c.rope_parameters), layer_types=list(c.layer_types), use_sliding_window=sliding,
+        sliding_window=c.sliding_window if sliding else None, tie_word_embeddings=False,
     ).to_diff_dict()
 
 
@@ -224,10 +292,11 @@ def speculators_config(draft, verifier: str | None, legacy: bool = False, verifi
     """speculators' DFlashSpeculatorConfig / DSparkSpeculatorConfig as save_pretrained writes them."""
     c = draft.config
     dspark = isinstance(c, DSparkConfig) and (c.markov_rank > 0 or c.enable_confidence_head)
-    kind = "dspark" if dspark else "dflash"
+    kind = "dflash2" if isinstance(c, DFlash2Config) else "dspark" if dspark else "dflash"
     sample_from_anchor = bool(getattr(c, "sample_from_anchor", False))
+    architecture = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator", "dflash2": "DFlash2DraftModel"}[kind]
     config = {
-        "architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+        "architectures": [architecture],
         "speculators_model_type": kind,
         "speculators_version": "0.9.0",
         "transformer_layer_config": speculators_layer_config(draft, legacy),
@@ -236,7 +305,7 @@ def speculators_config(draft, verifier: str | None, legacy: bool = False, verifi
         "target_hidden_size": c.target_hidden_size,
         "aux_hidden_state_layer_ids": [t + 1 for t in c.target_layer_ids],
         "mask_token_id": c.mask_token_id,
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": not c.sliding_window_causal,
         "sample_from_anchor": sample_from_anchor,
         "speculators_config": {
             "algorithm": kind,
@@ -253,6 +322,9 @@ def speculators_config(draft, verifier: str | None, legacy: bool = False, verifi
         config.update(markov_rank=c.markov_rank, markov_head_type=c.markov_head_type,
                       enable_confidence_head=c.enable_confidence_head,
                       confidence_head_with_markov=c.confidence_head_with_markov)
+    if kind == "dflash2":  # speculators' DFlash2SpeculatorConfig (the "experimental DFlash2" PR)
+        config.update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
+                      selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
     return config
 
 

@@ -3,6 +3,7 @@
 Item 1: a config without a field no default can stand in for. Item 2: `AutoModel.from_pretrained` of inconsistent
 vocabulary maps. Item 3: NaN/inf weights. Item 7: the hidden partial folder a killed `dflash-hf convert` leaves.
 Item 8: a DSpark checkpoint as speculators 0.9.0 writes it (its own pruned lm_head, the verifier's embedding).
+Item 9: DFlash 2 checkpoints (ours, z-lab's, speculators'): malformed fields, codebooks, causality, variants.
 """
 
 import json
@@ -42,6 +43,10 @@ def folders(tmp_path_factory):
         "modelopt-kimi": dialects.write_modelopt(root / "modelopt-kimi", dialects.kimi_dflash_draft(seed=3), shards=2),
         "speculators": dialects.write_speculators(root / "speculators", pruned, verifier),
         "deepspec": dialects.write_deepspec(root / "deepspec", dialects.tiny_dspark_draft(seed=4)),
+        "ours-dflash2": dialects.write_ours(root / "ours-dflash2", dialects.tiny_dflash2_draft(seed=5)),
+        "zlab-dflash2": dialects.write_zlab_dflash2(root / "zlab-dflash2", dialects.released_dflash2_draft(seed=6)),
+        "speculators-dflash2": dialects.write_speculators(root / "speculators-dflash2",
+                                                          dialects.tiny_dflash2_draft(seed=7), verifier),
         "verifier": Path(verifier),
     }
 
@@ -99,6 +104,13 @@ REQUIRED = [
     ("speculators", drop("transformer_layer_config"), "`transformer_layer_config`"),
     ("deepspec", drop("block_size"), "`block_size`"),
     ("deepspec", drop("mask_token_id"), "`mask_token_id`"),
+    ("ours-dflash2", drop("conv_group_size"), "`conv_group_size`"),
+    ("ours-dflash2", drop("selector_top_k"), "`selector_top_k`"),
+    ("zlab-dflash2", drop("dflash_config", "conv_kernel_size"), "`conv_kernel_size`"),
+    ("zlab-dflash2", drop("dflash_config", "selector_rank"), "`selector_rank`"),
+    ("zlab-dflash2", drop("dflash_config", "block_size"), "`block_size`"),
+    ("zlab-dflash2", drop("dflash_config", "mask_token_id"), "`mask_token_id`"),
+    ("speculators-dflash2", drop("mask_token_id"), "`mask_token_id`"),
 ]
 
 
@@ -269,3 +281,98 @@ def test_item8_speculators_090_dspark_loads_generates_and_exports(folders, tmp_p
                                 c.update(shares_target_embeddings=False)))
     config = load_draft(old).config
     assert not config.shares_target_input_embedding and not config.shares_target_lm_head
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Item 9: DFlash 2 checkpoints, malformed: each refused naming the field, tensor or variant
+# ----------------------------------------------------------------------------------------------------------------------
+
+VOCAB, RANK = dialects.TINY["vocab_size"], dialects.RELEASED_DFLASH2["selector_rank"]
+
+
+def in_dflash_config(**values):
+    return lambda config: config["dflash_config"].update(values)
+
+
+BAD_DFLASH2_CONFIGS = [
+    # (checkpoint, edit, what the error must say)
+    ("zlab-dflash2", in_dflash_config(selector_top_k=VOCAB + 1),
+     rf"`selector_top_k` = {VOCAB + 1}, expected an integer in \[1, vocab_size={VOCAB}\]"),
+    ("zlab-dflash2", in_dflash_config(selector_top_k=0), "`selector_top_k` = 0"),
+    ("zlab-dflash2", in_dflash_config(conv_group_size=5), r"`conv_group_size` = 5, expected a divisor of hidden_size"),
+    ("zlab-dflash2", in_dflash_config(conv_kernel_size=0), "`conv_kernel_size` = 0, expected a positive integer"),
+    ("zlab-dflash2", in_dflash_config(selector_rank="16"), "`selector_rank` = '16', expected a positive integer"),
+    ("zlab-dflash2", in_dflash_config(final_logit_softcapping=-2.0), "`final_logit_softcapping` = -2.0"),
+    ("zlab-dflash2", lambda c: c.update(is_causal=True, layer_types=["sliding_attention"] * 4 + ["full_attention"]),
+     r"`is_causal` = true makes every draft layer causal inside the block, the full-attention layers \[4\]"),
+    ("zlab-dflash2", lambda c: c.update(is_causal="yes"), "`is_causal` = 'yes', expected true, false or null"),
+    ("zlab-dflash2", lambda c: (c.update(is_causal=False), c["dflash_config"].update(causal=True)), "disagree"),
+    ("zlab-dflash2", lambda c: c.update(dflash_config=[1, 2]), "`dflash_config` is list, expected a dict"),
+    ("zlab-dflash2", in_dflash_config(attention_sink_bias=True), "attention_sink_bias=True"),
+    ("zlab-dflash2", in_dflash_config(fc_layernorm=True), "fc_layernorm=True"),
+    ("zlab-dflash2", in_dflash_config(selector_vocab_size=VOCAB - 3), rf"selector_vocab_size={VOCAB - 3} differs"),
+    ("speculators-dflash2", lambda c: c.update(draft_vocab_size=40), "proposes from the full target vocabulary"),
+    ("speculators-dflash2", lambda c: c.update(sample_from_anchor=True), "sample_from_anchor=true"),
+    ("speculators-dflash2", lambda c: c.update(projector_type="domino"), "projector_type='domino'"),
+    ("speculators-dflash2", lambda c: c.update(shift_label=True), "shift_label=True"),
+    ("speculators-dflash2", lambda c: c.update(selector_top_k=VOCAB + 1), "`selector_top_k`"),
+    ("speculators-dflash2", lambda c: c.update(speculators_model_type="dflash3"),
+     "speculators checkpoint of type 'dflash3'"),
+    ("ours-dflash2", lambda c: c.update(conv_group_size=3), "`conv_group_size` = 3"),
+]
+
+
+@pytest.mark.parametrize("name,edit,message", BAD_DFLASH2_CONFIGS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_DFLASH2_CONFIGS)])
+def test_item9_malformed_dflash2_configs_are_named(folders, tmp_path, name, edit, message):
+    folder = copy(folders, name, tmp_path)
+    edit_config(folder, edit)
+    with pytest.raises(ValueError, match=message) as error:
+        load_draft(folder)
+    if "speculators checkpoint of type" not in message:
+        assert str(folder) in str(error.value)
+
+
+def replace_tensor(name: str, make):
+    return lambda tensors: tensors.update({name: make(tensors[name])})
+
+
+BAD_DFLASH2_TENSORS = [
+    (replace_tensor("candidate_selector.predecessor_codebook", lambda t: t[:, :-1].contiguous()),
+     rf"shape mismatches: candidate_selector\.predecessor_codebook: checkpoint \[{VOCAB}, {RANK - 1}\] vs expected "
+     rf"\[{VOCAB}, {RANK}\]"),
+    (replace_tensor("candidate_selector.successor_codebook", lambda t: t[:-1].contiguous()),
+     rf"candidate_selector\.successor_codebook: checkpoint \[{VOCAB - 1}, {RANK}\]"),
+    (replace_tensor("candidate_selector.successor_codebook", lambda t: t.reshape(-1).contiguous()),
+     rf"candidate_selector\.successor_codebook: checkpoint \[{VOCAB * RANK}\]"),
+    (replace_tensor("candidate_selector.hidden_projection.weight", lambda t: t.T.contiguous()),
+     r"candidate_selector\.hidden_projection\.weight: checkpoint \[32, 16\] vs expected \[16, 32\]"),
+    (replace_tensor("layers.2.mlp_conv.base_kernel", lambda t: torch.cat([t, t[:, :1]], 1)),
+     r"layers\.2\.mlp_conv\.base_kernel: checkpoint \[2, 3, 32\] vs expected \[2, 2, 32\]"),
+    (lambda t: t.pop("candidate_selector.successor_codebook"),
+     r"missing tensors: candidate_selector\.successor_codebook"),
+    (lambda t: t.pop("layers.0.attention_conv.kernel_projection.weight"),
+     r"missing tensors: layers\.0\.attention_conv\.kernel_projection\.weight"),
+    (lambda t: t.update({"candidate_selector.successor_codebook.weight":
+                         t["candidate_selector.successor_codebook"] + 0}),  # a copy: safetensors refuses shared memory
+     "holds both `candidate_selector.successor_codebook` and `candidate_selector.successor_codebook.weight`"),
+    (lambda t: t["candidate_selector.predecessor_codebook"].view(-1).__setitem__(5, float("nan")),
+     r"Non-finite weights.*`candidate_selector\.predecessor_codebook` \(1 NaN"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_DFLASH2_TENSORS, ids=range(len(BAD_DFLASH2_TENSORS)))
+def test_item9_malformed_dflash2_tensors_are_named(folders, tmp_path, edit, message):
+    folder = copy(folders, "zlab-dflash2", tmp_path)
+    edit_tensors(folder / "model.safetensors", edit)
+    with pytest.raises(ValueError, match=message):
+        load_draft(folder)
+
+
+def test_item9_automodel_names_a_wrong_codebook_too(folders, tmp_path):
+    folder = copy(folders, "ours-dflash2", tmp_path)
+    edit_tensors(folder / "model.safetensors",
+                 replace_tensor("candidate_selector.predecessor_codebook", lambda t: t[:, :-1].contiguous()))
+    for load in (AutoModel.from_pretrained, load_draft):
+        with pytest.raises(ValueError, match=r"candidate_selector\.predecessor_codebook"):
+            load(folder)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tiny import random_dflash, random_dspark, tiny_target
+from tiny import random_dflash, random_dflash2, random_dspark, tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -174,7 +174,8 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    """Folders of a tiny Llama target (with tokenizer), a DFlash and a DSpark draft, and a JSONL of prompts."""
+    """Folders of a tiny Llama target (with tokenizer), a DFlash, a DSpark and a DFlash 2 draft, and a JSONL of
+    prompts."""
     root = tmp_path_factory.mktemp("bench")
     tokenizer = byte_tokenizer()
     target = tiny_target("llama", vocab_size=len(tokenizer) + 1)  # + the mask id
@@ -183,6 +184,7 @@ def tiny_pair(tmp_path_factory):
     # bf16 like the shipped drafts: the bench must run it beside the fp32 target on every path
     random_dflash(target, block_size=4).to(torch.bfloat16).save_pretrained(root / "dflash")
     random_dspark(target, block_size=4).save_pretrained(root / "dspark")
+    random_dflash2(target, block_size=4, selector_top_k=6).save_pretrained(root / "dflash2")
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return root
 
@@ -314,3 +316,33 @@ def test_bfloat16_run_is_exact_with_row_exact_attention(tiny_pair, tmp_path):
     assert (models["target_dtype"], models["target_attention"]) == ("bfloat16", "row_exact")
     assert report["exact"] is True and models["drafts"]["dspark"]["dtype"] == "bfloat16"
     assert all(g["paths"]["baseline"]["new_tokens"] == 20 for g in report["generations"])
+
+
+def test_a_dflash2_draft_gets_its_own_paths(tiny_pair, tmp_path):
+    """`--draft` of a DFlash 2 draft: benched as `dflash2_hf` (and `_lookup`), exact; the DFlash-only peers say why
+    they are skipped."""
+    # The tiny target says EOS at once on some prompts; without one it writes every token, so there is drafting.
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target")
+    target.generation_config.eos_token_id = None
+    target.save_pretrained(tmp_path / "target")
+    AutoTokenizer.from_pretrained(tiny_pair / "target").save_pretrained(tmp_path / "target")
+    out = tmp_path / "r.json"
+    args = ["bench", "--dataset", str(tiny_pair / "prompts.jsonl"), "--target", str(tmp_path / "target"),
+            "--draft", str(tiny_pair / "dflash2"), "--max-new-tokens", "20", "--warmup-tokens", "4", "--no-progress",
+            "--dtype", "float32", "--max-samples", "2", "--json", str(out)]
+    assert cli.main(args) == 0
+    report = json.loads(out.read_text())
+    ok = [name for name, path in report["paths"].items() if path["status"] == "ok"]
+    assert ok == ["baseline", "dflash2_hf", "dflash2_hf_lookup", "prompt_lookup"]
+    assert report["exact"] is True and report["paths"]["dflash2_hf"]["tau"] >= 1.0
+    assert all(g["paths"]["dflash2_hf"]["new_tokens"] == 20 for g in report["generations"])
+    assert set(report["settings"]["models"]["drafts"]) == {"dflash2"}
+    for skipped in ("transformers_dflash", "zlab_dflash"):
+        assert "needs a DFlash draft" in report["paths"][skipped]["reason"]
+
+
+def test_no_embedded_dflash2_draft_is_a_clear_line(tiny_pair, capsys):
+    assert cli.main(["bench", "--dataset", str(tiny_pair / "prompts.jsonl"), "--kind", "dflash2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "No trained dflash2 draft is embedded" in err and "--draft PATH" in err
+    assert bench.OURS["dflash2"] == "dflash2_hf" and bench.OURS_LOOKUP["dflash2"] == "dflash2_hf_lookup"

@@ -166,3 +166,25 @@ def test_colours_agree_with_the_generators_books(tmp_path, lookup):
     assert view.text == models.tokenizer.decode(plain[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert torch.equal(plain, models.target.generate(**inputs, max_new_tokens=max_new, do_sample=False,
                                                      assistant_model=draft))
+
+
+def test_a_dflash2_draft_is_offered_beside_the_others(tmp_path):
+    """Without a browser: given a DFlash 2 draft, the demo's switch offers it after DFlash, and it generates the
+    target's own tokens."""
+    from dflash_hf.demo import DemoModels, build_demo, stream_generation
+
+    target_dir, dflash_dir = save_tiny_pair(tmp_path, agreeable=True)
+    _, dflash2_dir = save_tiny_pair(tmp_path / "dflash2", kind="dflash2", agreeable=True)
+    models = DemoModels.load(str(target_dir), [str(dflash2_dir), str(dflash_dir)], device="cpu")
+    assert list(models.drafts) == ["dflash2", "dflash"] and type(models.drafts["dflash2"]).__name__ == \
+        "DFlash2DraftModel"
+    demo = build_demo(models=models)
+    switch = next(block for block in demo.blocks.values() if getattr(block, "elem_id", None) == "kind")
+    assert [choice[0] for choice in switch.choices] == ["dflash", "dflash2"]
+    inputs = models.encode(PROMPT)
+    stats = {}
+    steps = list(stream_generation(models.target, inputs, {"max_new_tokens": 16, "do_sample": False},
+                                   models.drafts["dflash2"], stats))
+    ids = [token for step_ids, _, _ in steps for token in step_ids]
+    plain = models.target.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert ids == plain[0, inputs["input_ids"].shape[1]:].tolist() and stats["acceptance_lengths"]

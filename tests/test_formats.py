@@ -1,5 +1,6 @@
 """Every dialect loads as the draft it encodes; convert/export round trips are exact; bad checkpoints fail by name."""
 
+import importlib.util
 import json
 import logging
 import shutil
@@ -18,13 +19,17 @@ from dflash_hf.formats import (
     MODELOPT,
     OURS,
     SPECULATORS_DFLASH,
+    SPECULATORS_DFLASH2,
     SPECULATORS_DSPARK,
     ZLAB,
+    ZLAB_DFLASH2,
     export_draft,
     identify,
     load_draft,
 )
 from tiny import assert_same_logits
+
+ZLAB_INSTALLED = importlib.util.find_spec("dflash") is not None
 
 # Config entries that name the writer rather than the draft.
 WRITER_KEYS = {"_name_or_path", "transformers_version", "architectures", "auto_map", "dtype", "torch_dtype"}
@@ -111,6 +116,32 @@ def _deepspec_dflash(root):
     return draft, dialects.write_deepspec(root / "deepspec-dflash", draft), {}
 
 
+def _ours_dflash2(root):
+    draft = dialects.tiny_dflash2_draft(seed=11, input_embedding_scale=1.5, output_multiplier=0.75,
+                                        final_logit_softcapping=8.0)
+    return draft, dialects.write_ours(root / "ours-dflash2", draft), {}
+
+
+def _zlab_dflash2_released(root):
+    # The released layout: every field in dflash_config, every layer sliding (causal, z-lab's default), shards.
+    draft = dialects.released_dflash2_draft(seed=12)
+    return draft, dialects.write_zlab_dflash2(root / "zlab-dflash2-released", draft, shards=2), {}
+
+
+def _zlab_dflash2_top_level(root):
+    # The fields beside the layer fields, `is_causal: false`: the sliding layer is bidirectional, as the full one is.
+    draft = dialects.tiny_dflash2_draft(seed=13, layer_types=["sliding_attention", "full_attention"],
+                                        sliding_window=3, sliding_window_causal=False)
+    return draft, dialects.write_zlab_dflash2(root / "zlab-dflash2-top-level", draft, top_level=True), {}
+
+
+def _speculators_dflash2(root):
+    # speculators' dflash2 defaults its sliding layers to bidirectional (sliding_window_non_causal true).
+    draft = dialects.tiny_dflash2_draft(seed=14, layer_types=["full_attention", "sliding_attention"],
+                                        sliding_window=3, sliding_window_causal=False)
+    return draft, _speculators(root, "spec-dflash2", draft), {}
+
+
 # name -> (builder, dialect, native export format)
 CASES = {
     "ours-dflash": (_ours_dflash, OURS, "hf"),
@@ -125,7 +156,12 @@ CASES = {
     "novita-kimi-dspark": (_novita_kimi_dspark, SPECULATORS_DSPARK, "speculators"),
     "deepspec-rnn": (_deepspec_rnn, DEEPSPEC, "speculators"),
     "deepspec-dflash": (_deepspec_dflash, DEEPSPEC, "speculators"),
+    "ours-dflash2": (_ours_dflash2, OURS, "hf"),
+    "zlab-dflash2-released": (_zlab_dflash2_released, ZLAB_DFLASH2, "zlab"),
+    "zlab-dflash2-top-level": (_zlab_dflash2_top_level, ZLAB_DFLASH2, "zlab"),
+    "speculators-dflash2": (_speculators_dflash2, SPECULATORS_DFLASH2, "speculators"),
 }
+DFLASH2_CASES = [name for name in CASES if name.endswith(("dflash2", "dflash2-released", "dflash2-top-level"))]
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +205,16 @@ def propose(draft, target=None, steps=2):
 def assert_same_proposals(loaded, reference):
     """The same proposals; logits and confidences to a few ulp, as equal weights in other memory compute them
     (`assert_same_logits`). Ids exactly: a flipped argmax needs two logits within that tolerance, and the fixed seeds
-    leave none."""
+    leave none. Logits that are -inf (ids a pruned draft or a DFlash 2 slot's candidates leave out) must be -inf at
+    the same ids; the tolerance then scales with the finite ones."""
     target = embedding_target(reference) if borrows(reference) else None
     dtype = reference.fc.weight.dtype
     for got, want in zip(propose(loaded, target), propose(reference, target), strict=True):
         assert got.draft_ids.shape[1] == reference.config.num_speculative_slots
         assert torch.equal(got.draft_ids, want.draft_ids)
-        assert_same_logits(got.draft_logits, want.draft_logits, dtype)
+        finite = torch.isfinite(want.draft_logits)
+        assert torch.equal(torch.isfinite(got.draft_logits), finite)
+        assert_same_logits(got.draft_logits[finite], want.draft_logits[finite], dtype)
         assert (got.confidence is None) == (want.confidence is None)
         if want.confidence is not None:
             assert_same_logits(got.confidence, want.confidence, dtype)
@@ -335,7 +374,7 @@ def without_versions(config: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", ["speculators-dflash-pruned", "speculators-dflash-full", "speculators-dspark-gated",
-                                  "speculators-dspark-rnn", "speculators-090-dspark"])
+                                  "speculators-dspark-rnn", "speculators-090-dspark", "speculators-dflash2"])
 def test_speculators_export_matches_the_dialect(built, name, tmp_path):
     _, folder, loaded = load_case(built, name)
     fixture_config = json.loads((folder / "config.json").read_text())
@@ -385,6 +424,125 @@ def test_cross_dialect_conversion_keeps_the_draft(built, tmp_path):
         config = json.loads((tmp_path / name / "config.json").read_text())
         assert config["aux_hidden_state_layer_ids"] == [t + 1 for t in reference.config.target_layer_ids]
         assert_same_draft(load_draft(tmp_path / name), reference)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DFlash 2: z-lab's own code agrees, every layout converts to every other, z-lab's spellings and causality
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def zlab_block(zlab_model, target, context, anchor: int, block_size: int, mask_token_id: int):
+    """z-lab `dflash` 0.1.0's draft forward and greedy selector walk for one block (as its `dflash_generate` runs
+    them): (block hidden states [1, b, H], proposed ids [1, b - 1])."""
+    ids = torch.tensor([[anchor] + [mask_token_id] * (block_size - 1)])
+    noise = torch.nn.functional.embedding(ids, target.get_input_embeddings().weight)
+    positions = torch.arange(context.shape[1] + block_size)[None]
+    hidden = zlab_model(target_hidden=context, noise_embedding=noise, position_ids=positions, use_cache=False)
+    proposed, _, _ = zlab_model.propose(hidden[:, 1:], torch.tensor([anchor]), target.get_output_embeddings(), 0.0)
+    return hidden, proposed
+
+
+@pytest.mark.skipif(not ZLAB_INSTALLED, reason="needs z-lab's `dflash` package (pip install --no-deps dflash)")
+@pytest.mark.parametrize("name", ["zlab-dflash2-released", "zlab-dflash2-top-level", "zlab-dflash2-causal-mixed",
+                                  "exported-from-speculators"])
+def test_zlab_dflash2_loads_as_zlabs_own_code_computes(built, tmp_path, name):
+    """Our load of a z-lab DFlash 2 folder and z-lab's own `DFlash2DraftModel.from_pretrained` of it give the same
+    block states and proposals: the field placement, `is_causal`, sliding windows and bare codebooks are read as z-lab
+    reads them. A sliding layer made causal (and a full one bidirectional) by z-lab's default is the third case; the
+    fourth is our z-lab export of speculators' bidirectional sliding layer (so z-lab reads what we write)."""
+    from dflash.model import DFlash2DraftModel as ZLabDFlash2DraftModel
+
+    if name == "zlab-dflash2-causal-mixed":
+        reference = dialects.tiny_dflash2_draft(seed=15, layer_types=["sliding_attention", "full_attention"],
+                                                sliding_window=3)
+        folder = dialects.write_zlab_dflash2(tmp_path / name, reference)
+    elif name == "exported-from-speculators":
+        reference, source, _ = built["speculators-dflash2"]
+        folder = export_draft(load_draft(source), tmp_path / name, to="zlab")
+    else:
+        reference, folder, _ = built[name]
+    ours = load_draft(folder, dtype="float32")
+    zlab = ZLabDFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    config = ours.config
+    target = embedding_target(reference)
+    ours.bind_target(target)
+    context = torch.randn(1, 7, len(config.target_layer_ids) * config.target_hidden_size,
+                          generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for anchor in (3, 40):
+            want_hidden, want_ids = zlab_block(zlab, target, context, anchor, config.block_size, config.mask_token_id)
+            got_hidden = ours.block_hidden(context, torch.tensor([anchor]), DFlashContextCache())
+            assert_same_logits(got_hidden, want_hidden, torch.float32)
+            assert torch.equal(ours.propose(context, torch.tensor([anchor]), DFlashContextCache()).draft_ids, want_ids)
+        # Negative control: flipping z-lab's causality of the first (sliding) layer moves the states far off.
+        zlab.layers[0].self_attn.is_causal = not zlab.layers[0].self_attn.is_causal
+        flipped, _ = zlab_block(zlab, target, context, 3, config.block_size, config.mask_token_id)
+        assert float((flipped - want_hidden).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("name", DFLASH2_CASES)
+def test_dflash2_converts_between_every_layout(built, name, tmp_path):
+    """ours -> z-lab -> speculators -> ours and back, each hop through the CLI, each result the same draft. A draft
+    with z-lab's optional scale fields cannot go to speculators (its dflash2 config has no such fields): refused."""
+    reference, folder, _ = built[name]
+    verifier = _verifier(tmp_path, reference.config.num_target_layers)
+    sets_scales = any(getattr(reference.config, f) is not None for f in ("input_embedding_scale", "output_multiplier",
+                                                                        "final_logit_softcapping"))
+    hops = ["zlab", "hf"] if sets_scales else ["zlab", "speculators", "hf", "speculators", "zlab"]
+    source = folder
+    for i, to in enumerate(hops):
+        destination = tmp_path / f"{i}-{to}"
+        convert(source, destination, "--to", to, "--verifier", verifier)
+        assert_same_draft(load_draft(destination), reference)
+        source = destination
+    if sets_scales:
+        loaded = load_draft(folder)
+        with pytest.raises(ValueError, match="speculators dflash2 config has no input_embedding_scale, "
+                                             "output_multiplier, final_logit_softcapping"):
+            export_draft(loaded, tmp_path / "refused", to="speculators")
+        assert not (tmp_path / "refused").exists()
+        exported = json.loads((tmp_path / "0-zlab" / "config.json").read_text())["dflash_config"]
+        assert (exported["input_embedding_scale"], exported["output_multiplier"],
+                exported["final_logit_softcapping"]) == (1.5, 0.75, 8.0)
+
+
+def test_zlab_dflash2_export_matches_the_released_layout(built, tmp_path):
+    _, folder, loaded = load_case(built, "zlab-dflash2-released")
+    export_draft(loaded, tmp_path / "out", to="zlab")
+    fixture = json.loads((folder / "config.json").read_text())
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"] and "block_size" not in exported
+    assert exported["dflash_config"] == fixture["dflash_config"]  # block size and the four DFlash 2 fields in it
+    assert "is_causal" not in exported  # causal sliding layers: z-lab's default, so nothing to say
+    # The rest as ModelOpt writes z-lab configs (a Qwen3 config's keys; the dtype under today's spelling).
+    differ = {"torch_dtype", "tie_word_embeddings"}
+    assert {k: v for k, v in exported.items() if k not in differ} == \
+        {k: fixture[k] for k in exported if k not in differ}
+    assert_same_tensors(tmp_path / "out", folder)
+    # Bidirectional sliding layers are said the z-lab 0.1.0 way: a top-level is_causal false.
+    _, _, bidirectional = load_case(built, "zlab-dflash2-top-level")
+    export_draft(bidirectional, tmp_path / "bidirectional", to="zlab")
+    exported = json.loads((tmp_path / "bidirectional" / "config.json").read_text())
+    assert exported["is_causal"] is False and "causal" not in exported["dflash_config"]
+
+
+def test_dflash2_codebooks_spelled_with_weight_load(built, tmp_path):
+    """A checkpoint re-saved from z-lab's model (its codebooks are `nn.Embedding`s) names them `...codebook.weight`."""
+    reference = built["zlab-dflash2-top-level"][0]
+    folder = dialects.write_zlab_dflash2(tmp_path / "suffixed", reference, top_level=True, suffixed_codebooks=True)
+    loaded = load_draft(folder)
+    assert_same_draft(loaded, reference)
+    export_draft(loaded, tmp_path / "out", to="zlab")  # written back bare, as released
+    assert "candidate_selector.predecessor_codebook" in _tensors(tmp_path / "out")
+
+
+def test_zlab_is_causal_true_over_sliding_layers_only_is_the_default(built, tmp_path):
+    reference = built["zlab-dflash2-released"][0]
+    folder = copy_case(built, "zlab-dflash2-released", tmp_path)
+    rewrite_config(folder, lambda c: c.update(is_causal=True))
+    assert_same_draft(load_draft(folder), reference)
+    rewrite_config(folder, lambda c: c.update(is_causal=False))
+    assert not load_draft(folder).config.sliding_window_causal
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -463,7 +621,7 @@ def test_speculators_without_a_readable_verifier_asks_for_the_depth(built):
 
 def test_zlab_export_refuses_what_zlab_cannot_hold(built, tmp_path):
     _, _, dspark = load_case(built, "speculators-dspark-gated")
-    with pytest.raises(ValueError, match="DFlash drafts only"):
+    with pytest.raises(ValueError, match="DFlash and DFlash 2 drafts only"):
         export_draft(dspark, tmp_path / "a", to="zlab")
     _, _, own_head = load_case(built, "speculators-dflash-full")
     with pytest.raises(ValueError, match="has its own"):
@@ -530,4 +688,8 @@ def test_sliding_layer_causality_is_carried_over(built, tmp_path):
     assert loaded.config.layer_types == ["sliding_attention", "full_attention"] and loaded.config.sliding_window == 8
     assert loaded.config.sliding_window_causal  # z-lab's default
     rewrite_config(folder, lambda c: c["dflash_config"].update(causal=False))
+    assert not load_draft(folder).config.sliding_window_causal
+    # z-lab 0.1.0 spells it as a top-level is_causal; a bool applies to every layer (false: the full one stays
+    # bidirectional, as ours always are).
+    rewrite_config(folder, lambda c: (c["dflash_config"].pop("causal"), c.update(is_causal=False)))
     assert not load_draft(folder).config.sliding_window_causal

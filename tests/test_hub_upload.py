@@ -21,7 +21,7 @@ import yaml
 from huggingface_hub import ModelCard, SpaceCard
 from packaging.requirements import Requirement
 
-from dflash_hf import REMOTE_CODE_FILES, hub_upload
+from dflash_hf import DFLASH2_CODE_FILES, REMOTE_CODE_FILES, hub_upload
 from dflash_hf.cli import main as cli_main
 from dflash_hf.kernels import hub as kernel_hub
 from tiny_pair import save_tiny_pair
@@ -94,7 +94,9 @@ def test_model_repo_has_code_weights_and_card(model_repo):
     assert "$" not in card.replace("$ ", ""), "an unfilled template field is left in the card"
 
 
-def test_model_repo_loads_with_transformers_alone_and_is_exact(model_repo, pair, tmp_path):
+def _standalone_generation(repo: Path, target_dir: Path, tmp_path: Path) -> dict:
+    """Load the repo with transformers alone (dflash_hf unimportable), generate greedily with and without it, and
+    return what happened."""
     script = BLOCK_DFLASH_HF + textwrap.dedent(f"""
         import json
         try:
@@ -106,9 +108,9 @@ def test_model_repo_loads_with_transformers_alone_and_is_exact(model_repo, pair,
         import torch
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-        target = AutoModelForCausalLM.from_pretrained({str(pair[0])!r}).eval()
-        tokenizer = AutoTokenizer.from_pretrained({str(pair[0])!r})
-        draft = AutoModel.from_pretrained({str(model_repo)!r}, trust_remote_code=True).eval()
+        target = AutoModelForCausalLM.from_pretrained({str(target_dir)!r}).eval()
+        tokenizer = AutoTokenizer.from_pretrained({str(target_dir)!r})
+        draft = AutoModel.from_pretrained({str(repo)!r}, trust_remote_code=True).eval()
         results = {{"module": type(draft).__module__, "prompts": []}}
         for prompt in ["Hello world", "abc", "The quick brown fox"]:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -120,7 +122,11 @@ def test_model_repo_loads_with_transformers_alone_and_is_exact(model_repo, pair,
     """)
     done = _isolated_python(script, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_model_repo_loads_with_transformers_alone_and_is_exact(model_repo, pair, tmp_path):
+    results = _standalone_generation(model_repo, pair[0], tmp_path)
     assert results["module"].startswith("transformers_modules"), results["module"]
     for row in results["prompts"]:
         assert row["identical"], row
@@ -128,6 +134,43 @@ def test_model_repo_loads_with_transformers_alone_and_is_exact(model_repo, pair,
         assert row["lengths"], "the draft was not used: no verify steps were booked"
     # The agreeable pair accepts drafts, so the remote code really drafted (not just one token per step).
     assert any(n > 1 for row in results["prompts"] for n in row["lengths"])
+
+
+def test_dflash2_model_repo_has_its_code_card_and_stands_alone(tmp_path):
+    """A DFlash 2 draft: its two extra remote-code files, a card naming the kind and the z-lab layout the engines read
+    it from, the bench path of its kind, and a repo that loads and drafts with transformers alone."""
+    target_dir, draft_dir = save_tiny_pair(tmp_path / "pair", kind="dflash2", agreeable=True)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({
+        "schema": "dflash-hf-bench", "settings": {"models": {"target": "me/tiny-target"}},
+        "paths": {"baseline": {"status": "ok", "tau": 1.0, "tokens_per_s": 10.0},
+                  "dflash_hf": {"status": "ok", "tau": 9.0, "speedup": 9.0},
+                  "dflash2_hf": {"status": "ok", "tau": 2.5, "speedup": 1.25, "tokens_per_s": 12.5}},
+    }))
+    repo = tmp_path / "repo"
+    assert cli_main(["upload", "model", str(draft_dir), "--repo-id", "me/tiny-dflash2", "--bench-json", str(bench),
+                     "--dry-run", str(repo)]) == 0
+    files = sorted(p.name for p in repo.iterdir())
+    assert files == sorted(["README.md", "config.json", "model.safetensors", *REMOTE_CODE_FILES, *DFLASH2_CODE_FILES])
+    config = json.loads((repo / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"
+    for name in DFLASH2_CODE_FILES:
+        assert (repo / name).read_bytes() == (REPO_ROOT / "src" / "dflash_hf" / name).read_bytes()
+    meta = _front_matter(repo / "README.md")
+    assert "dflash2" in meta["tags"] and meta["base_model"] == "me/tiny-target"
+    card = (repo / "README.md").read_text()
+    assert card.startswith("---") and "A **DFlash 2** draft" in card and "candidate selector" in card
+    assert "| 2.50 |" in card and "1.25x" in card and "| 9.00 |" not in card  # its own path, not the DFlash one
+    assert "`configuration_dflash2.py`" in card and "`modeling_dflash2.py`" in card
+    assert "--to zlab" in card and '"method": "dflash"' in card and "DFlash2DraftModel" in card
+    assert "--to speculators" not in card and "sglang.launch_server" in card
+    assert "$" not in card.replace("$ ", ""), "an unfilled template field is left in the card"
+    assert hub_upload.draft_kind(hub_upload.load_draft_for_upload(str(draft_dir))) == "dflash2"
+
+    results = _standalone_generation(repo, target_dir, tmp_path)
+    assert results["module"].startswith("transformers_modules") and results["module"].endswith("modeling_dflash2")
+    for row in results["prompts"]:
+        assert row["identical"] and row["new"] == 24 and row["lengths"], row
 
 
 def test_model_upload_without_network_is_one_clear_line(pair, tmp_path):

@@ -8,8 +8,9 @@ import torch
 from transformers import GenerationConfig
 from tiny import EOS, VOCAB, tiny_target
 
-from dflash_hf import DFlashContextCache
+from dflash_hf import DFlash2DraftModel, DFlashContextCache
 from dflash_hf.modeling_dflash import check_vocab_mapping
+from dflash_hf.training import trainer
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
 from dflash_hf.training.features import (
     OnlineFeatures,
@@ -18,7 +19,14 @@ from dflash_hf.training.features import (
     target_features,
     write_feature_shard,
 )
-from dflash_hf.training.losses import dflash_loss, dspark_loss, slot_weights, total_variation
+from dflash_hf.training.losses import (
+    dflash_loss,
+    dspark_loss,
+    selector_loss,
+    selector_training_candidates,
+    slot_weights,
+    total_variation,
+)
 from dflash_hf.training.trainer import (
     PROBE_STEPS,
     PROBE_WARMUP,
@@ -62,8 +70,18 @@ def toy():
 
 def toy_spec(kind="dflash", **extra):
     fields = {"kind": kind, "block_size": 4, "mask_token_id": MASK_ID, "intermediate_size": 48,
-              "target_layer_ids": LAYERS}
+              "target_layer_ids": LAYERS, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
     return DraftSpec(**{**fields, **extra})
+
+
+def shake_dflash2(draft, seed: int = 3, spread: float = 0.3):
+    """Move a DFlash 2 draft's convolutions and selector off their initialisation, so they act."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "_conv." in name or "candidate_selector." in name:
+                param.add_(spread * torch.randn(param.shape, generator=generator))
+    return draft
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -86,10 +104,14 @@ def test_training_mask_sees_exactly_context_before_anchor_and_own_block():
                 assert bool(row[context_len + jj]) == (jj // block == i), (i, k, jj)
 
 
-def test_batched_blocks_match_inference_drafting(toy):
-    """Every block of the one-mask training forward equals drafting that block alone with the inference path."""
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_batched_blocks_match_inference_drafting(toy, kind, monkeypatch):
+    """Every block of the one-mask training forward equals drafting that block alone with the inference path (DFlash
+    2: its convolutions, told the block length, never read the block before, here adjacent in the sequence)."""
     target, records = toy
-    draft = build_draft(target, toy_spec(), seed=1)
+    draft = build_draft(target, toy_spec(kind), seed=1)
+    if kind == "dflash2":
+        shake_dflash2(draft)
     layer_ids = draft.config.target_layer_ids
     assert layer_ids == LAYERS
     record = records[1]
@@ -105,11 +127,50 @@ def test_batched_blocks_match_inference_drafting(toy):
             torch.testing.assert_close(out.hidden[0, i], alone[0, 1:], rtol=1e-4, atol=1e-5)
             assert out.labels[0, i].tolist() == tokens[anchor + 1 : anchor + 4].tolist()
             assert out.prev[0, i].tolist() == tokens[anchor : anchor + 3].tolist()
+        if kind == "dflash2":  # negative control: without the block length the taps cross into the previous block
+            monkeypatch.setattr(trainer, "DFlash2DraftModel", type("NotDFlash2", (), {}))
+            crossing = block_slot_outputs(draft, collate([item], [anchors]))
+            assert torch.equal(crossing.hidden[0, 0], out.hidden[0, 0])  # the first block has none before it
+            assert float((crossing.hidden[0, 1:] - out.hidden[0, 1:]).abs().max()) > 1e-3
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Losses against hand-computed values
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_selector_candidates_put_the_label_in_place_of_the_weakest():
+    candidates = torch.tensor([[7, 3, 9], [7, 3, 9], [5, 1, 2]])
+    labels = torch.tensor([3, 4, 2])
+    got, positions = selector_training_candidates(candidates, labels)
+    assert got.tolist() == [[7, 3, 9], [7, 3, 4], [5, 1, 2]]
+    assert positions.tolist() == [1, 2, 2]
+    assert candidates.tolist() == [[7, 3, 9], [7, 3, 9], [5, 1, 2]]  # the generation candidates are untouched
+
+
+def test_selector_loss_hand_computed():
+    scores = torch.tensor([[0.0, math.log(3.0)], [math.log(2.0), 0.0]])
+    positions = torch.tensor([1, 0])
+    weights = torch.tensor([1.0, 0.25])
+    expected = (1.0 * -math.log(0.75) + 0.25 * -math.log(2 / 3)) / 1.25
+    assert selector_loss(scores, positions, weights).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_dflash2_training_draft_starts_as_dflash(toy):
+    """Identity convolutions survive the trainer's initialisation paths (a seeded build, a target layer copied in), so
+    an untrained DFlash 2 draft's block states are its DFlash backbone's."""
+    target, _ = toy
+    draft = build_draft(target, toy_spec("dflash2", init_from_target_layer=-1), seed=0)
+    assert isinstance(draft, DFlash2DraftModel)
+    for name, param in draft.named_parameters():
+        if name.endswith("_conv.base_kernel"):
+            assert torch.equal(param[:, 0], torch.ones_like(param[:, 0])) and not param[:, 1:].any(), name
+        elif name.endswith("_conv.kernel_projection.weight"):
+            assert not param.any(), name
+    # The copied target layer is in place (its attention; the toy MLP is narrower), under the convolutions.
+    copied = target.get_decoder().layers[-1].self_attn.o_proj.weight
+    assert torch.equal(draft.layers[0].self_attn.o_proj.weight, copied)
+    assert draft.candidate_selector.predecessor_codebook.std() > 0
 
 
 def test_slot_weights_decay():
@@ -256,7 +317,7 @@ class Killed(Exception):
     pass
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_resume_after_kill_continues_identically(toy, tmp_path, kind):
     target, records = toy
     store = cache_features(target, records, LAYERS, tmp_path / "features")
@@ -312,7 +373,7 @@ def test_time_budget_ends_the_run_with_the_learning_rate_at_its_floor(toy, tmp_p
     assert seen[0] < seen[-2] < 1e-4  # warming up towards max_steps until the budget cut the schedule
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
     target, records = toy
     store = cache_features(target, records, LAYERS, tmp_path / "features")
@@ -322,14 +383,20 @@ def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
     draft = build_draft(target, spec, mapping, seed=0)
     heldout = store.split(heldout=True)
     before = heldout_tau(draft, store, heldout)
-    losses = []
     config = TrainConfig(max_steps=250, sequences_per_step=4, anchors_per_sequence=16, learning_rate=5e-3,
                          eval_every=0, checkpoint_every=1000, warmup_ratio=0.02)
-    train_loop(draft, store, config, tmp_path / "run", step_callback=lambda s, m: losses.append(m["loss"]))
+    metrics = []
+    train_loop(draft, store, config, tmp_path / "run", step_callback=lambda step, m: metrics.append(m))
+    losses = [m["loss"] for m in metrics]
     after = heldout_tau(draft, store, heldout, return_walks=True)
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
     assert last < 0.95 * first, (first, last)
     assert after["tau_decode"] > 1.2 and after["tau_decode"] > before["tau_decode"] + 0.1, (before, after)
+    if kind == "dflash2":  # both terms fell: the backbone's CE and the selector's K-way CE
+        for part in ("unary", "selector"):
+            assert sum(m[part] for m in metrics[-20:]) < 0.95 * sum(m[part] for m in metrics[:20]), part
+        assert metrics[-1]["candidate_recall"] > metrics[0]["candidate_recall"]
+        assert draft.layers[0].mlp_conv.kernel_projection.weight.abs().max() > 0  # the convolutions learned too
 
     # The held-out decode walk is what speculative decoding with this draft really gets on those prompts.
     for index, walk in zip(heldout[:3], after["walks"]):

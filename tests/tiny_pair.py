@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tiny import random_dflash, random_dspark, tiny_target
+from tiny import random_dflash, random_dflash2, random_dspark, tiny_target
 
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 = tiny.py's pad, bos and eos
 PRINTABLE = [chr(code) for code in range(32, 127)]
@@ -46,7 +46,8 @@ def save_tiny_pair(folder: Path, kind: str = "dflash", block_size: int = 4,
     """(target folder, draft folder) under `folder`: a Llama target with its tokenizer, and a random draft for it."""
     target = tiny_target("llama", vocab_size=VOCAB_SIZE)
     tokenizer = char_tokenizer()
-    draft = (random_dspark if kind == "dspark" else random_dflash)(target, block_size=block_size)
+    make = {"dspark": random_dspark, "dflash2": random_dflash2}.get(kind, random_dflash)
+    draft = make(target, block_size=block_size)
     if agreeable:
         make_agreeable(target, draft, tokenizer)
     target_dir, draft_dir = Path(folder) / "target", Path(folder) / f"draft-{kind}"

@@ -65,7 +65,7 @@ WARMUP_NEW_TOKENS = 16
 
 # Path names, in table order. `baseline` must come first: every other path is compared with it.
 BASELINE = "baseline"
-OURS = {"dflash": "dflash_hf", "dspark": "dspark_hf"}
+OURS = {"dflash": "dflash_hf", "dspark": "dspark_hf", "dflash2": "dflash2_hf"}
 OURS_LOOKUP = {kind: name + "_lookup" for kind, name in OURS.items()}  # the draft plus prompt lookup where it matches
 # The speculation-length policies of our paths (`dflash_policy`): `--policy both` runs each of our paths under both,
 # the fixed-length one with this suffix.
@@ -74,6 +74,8 @@ FIXED_SUFFIX = "_fixed"
 TRANSFORMERS_DFLASH = "transformers_dflash"
 PROMPT_LOOKUP = "prompt_lookup"
 ZLAB = "zlab_dflash"
+# The kinds with an embedded draft (`defaults.SHIPPED_DRAFTS`, trained or, until shipped, random); `--kind both`.
+EMBEDDED_KINDS = ("dflash", "dspark")
 
 
 class BenchMismatchError(RuntimeError):
@@ -846,9 +848,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dataset", required=True, help="mt-bench, humaneval, or a JSONL file (prompt|turns, category)")
     parser.add_argument("--target", default=None, help="target model id or folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", action="append", default=None,
-                        help="draft id or folder; repeat for a DFlash and a DSpark draft (default: the embedded ones)")
-    parser.add_argument("--kind", choices=("dflash", "dspark", "both"), default="both",
-                        help="which embedded drafts to bench when --draft is not given")
+                        help="draft id or folder; repeat for a DFlash, a DSpark and a DFlash 2 draft (default: the "
+                             "embedded ones)")
+    parser.add_argument("--kind", choices=(*EMBEDDED_KINDS, "dflash2", "both"), default="both",
+                        help="which embedded drafts to bench when --draft is not given (both: dflash and dspark; no "
+                             "DFlash 2 draft is embedded yet: give one with --draft)")
     parser.add_argument("--max-samples", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None, help="override the drafts' block size")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactness is then enforced)")
@@ -868,13 +872,16 @@ def add_parser(subparsers) -> None:
 
 
 def _draft_kind(draft) -> str:
-    return "dspark" if type(draft).__name__ == "DSparkDraftModel" else "dflash"
+    return {"DSparkDraftModel": "dspark", "DFlash2DraftModel": "dflash2"}.get(type(draft).__name__, "dflash")
 
 
 def load_models(target_id: str | None, draft_ids: list[str] | None, kind: str, dtype: str = "auto"):
     """(target, tokenizer, {kind: draft}, models note for the JSON)."""
     from .defaults import SMOLLM2_GGUF, load_default_draft, load_target
 
+    if not draft_ids and kind not in (*EMBEDDED_KINDS, "both"):  # before the target loads: nothing to wait for
+        raise ValueError(f"No trained {kind} draft is embedded in dflash-hf yet, and a random one would measure "
+                         f"nothing: give one with --draft PATH (e.g. made by `dflash-hf train --kind {kind}`).")
     target, tokenizer = load_target(target_id, dtype)
     name = f"embedded SmolLM2-135M-Instruct ({SMOLLM2_GGUF})" if target_id is None else target_id
     models = {"target": name, "target_dtype": str(target.dtype).removeprefix("torch."),
@@ -885,11 +892,12 @@ def load_models(target_id: str | None, draft_ids: list[str] | None, kind: str, d
             draft = _load_draft(draft_id)
             found = _draft_kind(draft)
             if found in drafts:
-                raise ValueError(f"Two {found} drafts given (--draft); give at most one DFlash and one DSpark draft.")
+                raise ValueError(f"Two {found} drafts given (--draft); give at most one draft of each kind (DFlash, "
+                                 "DSpark, DFlash 2).")
             drafts[found] = draft
             models["drafts"][found] = {"source": draft_id, "trained": None}
     else:
-        for name in (("dflash", "dspark") if kind == "both" else (kind,)):
+        for name in (EMBEDDED_KINDS if kind == "both" else (kind,)):
             draft, trained = load_default_draft(target, name)
             drafts[name] = draft
             models["drafts"][name] = {"source": "embedded" if trained else "random (no trained draft shipped)",
@@ -920,7 +928,11 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     samples = select_samples(all_samples, args.max_samples)
-    target, tokenizer, drafts, models = load_models(args.target, args.draft, args.kind, args.dtype)
+    try:
+        target, tokenizer, drafts, models = load_models(args.target, args.draft, args.kind, args.dtype)
+    except ValueError as error:  # no such draft, or a checkpoint that does not load: one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.block_size is not None:
         for draft in drafts.values():
             draft.config.block_size = args.block_size

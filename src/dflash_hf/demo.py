@@ -1,4 +1,4 @@
-"""The Gradio demo: the target alone and the target with a DFlash/DSpark draft, side by side, streamed.
+"""The Gradio demo: the target alone and the target with a DFlash/DSpark/DFlash 2 draft, side by side, streamed.
 
 `dflash-hf demo` runs it locally; the Hub Space (`dflash-hf upload space`) runs this same module from its `app.py`.
 Both generations are greedy, so the two texts must match token for token; what differs is tokens/s. The speculative
@@ -23,6 +23,9 @@ from .exact_attention import EXACT_VERIFY_ROWS
 from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 logger = logging.getLogger(__name__)
+
+# The kinds a demo offers, in the order of its switch; a DFlash 2 draft appears when one is given (none is embedded).
+KINDS = ("dflash", "dspark", "dflash2")
 
 try:  # ZeroGPU Spaces hand out a GPU per call through this decorator; elsewhere generation runs where the models are.
     import spaces
@@ -218,7 +221,7 @@ class DemoModels:
         loaded, notes = {}, {}
         for draft_id in drafts:
             draft = load_draft(draft_id).eval()
-            kind = "dspark" if draft.config.model_type == "dspark" else "dflash"
+            kind = draft.config.model_type if draft.config.model_type in KINDS else "dflash"
             if kind in loaded:
                 logger.warning("Two %s drafts given; using %s", kind, draft_id)
             loaded[kind], notes[kind] = draft, f"`{draft_id}`"
@@ -259,7 +262,7 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
     import gradio as gr
 
     models = models or DemoModels.load(target, drafts, device, dtype)
-    kinds = [kind for kind in ("dflash", "dspark") if kind in models.drafts]
+    kinds = [kind for kind in KINDS if kind in models.drafts]
     # The slider sets the block size of one request (the drafts are shared); the switch goes back to each draft's own.
     own_block_size = {kind: models.drafts[kind].config.block_size for kind in kinds}
 
@@ -304,7 +307,7 @@ def build_demo(target: str | None = None, drafts: list[str] | tuple = (), device
         gr.Markdown(
             "## dflash-hf: block-diffusion speculative decoding in transformers\n"
             "The same greedy generation twice: the target alone (left), then the target verifying blocks drafted "
-            "by a DFlash or DSpark draft (right). The texts must be identical; watch tokens/s and tau."
+            "by a DFlash, DSpark or DFlash 2 draft (right). The texts must be identical; watch tokens/s and tau."
         )
         gr.Markdown("Drafts: " + "; ".join(f"{kind}: {models.notes[kind]}" for kind in kinds))
         prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=3, elem_id="prompt")
@@ -343,7 +346,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="the Gradio demo: target alone vs speculative, side by side")
     parser.add_argument("--target", default=None, help="target id or folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", action="append", default=[],
-                        help="draft id or folder; repeat to offer both a DFlash and a DSpark draft")
+                        help="draft id or folder; repeat to offer several kinds (DFlash, DSpark, DFlash 2)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE, help=DTYPE_HELP)
     parser.add_argument("--host", default="127.0.0.1")

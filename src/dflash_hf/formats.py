@@ -1,9 +1,11 @@
 """Every draft checkpoint users bring: recognise its dialect, load it as our model, export it for serving engines.
 
-Dialects (REFERENCE.md section 5): ours (`model_type` dflash/dspark), z-lab, NVIDIA ModelOpt exports, speculators
-DFlash and DSpark, and DeepSpec's flat DSpark configs. Their conventions differ in layer ids (speculators' aux id `a`
-is our `a - 1`), config keys, RoPE spelling, anchor layout, vocabulary maps and the input order of the rnn Markov
-projection. All of that is converted once, here, so the model classes know a single convention.
+Dialects (REFERENCE.md sections 5 and 9): ours (`model_type` dflash/dspark/dflash2), z-lab (DFlash and DFlash 2),
+NVIDIA ModelOpt exports, speculators DFlash, DSpark and DFlash 2, and DeepSpec's flat DSpark configs. Their conventions
+differ in layer ids (speculators' aux id `a` is our `a - 1`), config keys, RoPE spelling, anchor layout, vocabulary
+maps, the input order of the rnn Markov projection, which draft layers attend causally inside the block, and (DFlash 2)
+whether the selector's codebooks carry a `.weight` suffix. All of that is converted once, here, so the model classes
+know a single convention.
 
 Loading builds the model on the meta device and assigns the checkpoint's tensors, so a large draft never exists
 twice in memory; every check (required config fields, tensor names, shapes, finite values, vocabulary maps, layer
@@ -34,7 +36,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from .configuration_dflash import DFlashConfig, DSparkConfig
+from .configuration_dflash2 import DFlash2Config
 from .modeling_dflash import DFlashDraftModel, DSparkDraftModel, check_finite_weights, check_vocab_mapping
+from .modeling_dflash2 import DFlash2DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -42,33 +46,52 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
-OURS, ZLAB, MODELOPT = "dflash-hf", "z-lab", "modelopt"
+OURS, ZLAB, MODELOPT, ZLAB_DFLASH2 = "dflash-hf", "z-lab", "modelopt", "z-lab-dflash2"
 SPECULATORS_DFLASH, SPECULATORS_DSPARK, DEEPSPEC = "speculators-dflash", "speculators-dspark", "deepspec-dspark"
-DIALECTS = (OURS, ZLAB, MODELOPT, SPECULATORS_DFLASH, SPECULATORS_DSPARK, DEEPSPEC)
+SPECULATORS_DFLASH2 = "speculators-dflash2"
+DIALECTS = (OURS, ZLAB, MODELOPT, ZLAB_DFLASH2, SPECULATORS_DFLASH, SPECULATORS_DSPARK, SPECULATORS_DFLASH2, DEEPSPEC)
 EXPORT_FORMATS = ("hf", "speculators", "zlab")
+SPECULATORS_DIALECTS = {"dflash": SPECULATORS_DFLASH, "dspark": SPECULATORS_DSPARK, "dflash2": SPECULATORS_DFLASH2}
 
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
+ZLAB_DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # z-lab `dflash` 0.1.0; speculators' dflash2 configs name it too
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
-SPECULATORS_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
+SPECULATORS_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator",
+                             "dflash2": ZLAB_DFLASH2_ARCHITECTURE}
 # The speculators release whose config layout `export_draft(to="speculators")` writes.
 SPECULATORS_FORMAT_VERSION = "0.9.0"
-# speculators' own defaults for fields a checkpoint may leave out (its DFlash/DSpark pydantic configs).
+# speculators' own defaults for fields a checkpoint may leave out (its DFlash/DSpark/DFlash2 pydantic configs; DFlash2's
+# from the "experimental DFlash2" PR, vllm-project/speculators#1006: note its sliding layers default to bidirectional).
 SPECULATORS_DEFAULTS = {
-    "dflash": {"sample_from_anchor": False},
+    "dflash": {"sample_from_anchor": False, "sliding_window_non_causal": False},
     "dspark": {"sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
-               "enable_confidence_head": True, "confidence_head_with_markov": True},
+               "enable_confidence_head": True, "confidence_head_with_markov": True,
+               "sliding_window_non_causal": False},
+    "dflash2": {"sample_from_anchor": False, "sliding_window_non_causal": True, "conv_kernel_size": 2,
+                "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
 }
+# DFlash 2's own config fields, required by z-lab's code (no default there) and by our config.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Optional z-lab 0.1.0 fields (dflash_config or top level) that change what the draft computes.
+ZLAB_OPTIONAL_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+# The selector's codebooks are bare tensors in the released checkpoints; a checkpoint re-saved from z-lab's own model
+# (whose codebooks are `nn.Embedding`s) spells them with `.weight`. Both load.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 # Tensors some dialects ship that only their training uses (the frozen verifier head/norm, RoPE caches).
 TRAINING_ONLY_TENSORS = {
     ZLAB: {"rotary_emb.inv_freq"},
     MODELOPT: {"rotary_emb.inv_freq"},
+    ZLAB_DFLASH2: {"rotary_emb.inv_freq"},
     SPECULATORS_DFLASH: {"verifier_norm.weight", "verifier_lm_head.weight"},
     SPECULATORS_DSPARK: {"verifier_norm.weight", "verifier_lm_head.weight"},
+    SPECULATORS_DFLASH2: {"verifier_norm.weight", "verifier_lm_head.weight"},
     DEEPSPEC: {"rotary_emb.inv_freq"},
     OURS: {"rotary_emb.inv_freq"},
 }
 # z-lab/ModelOpt drafter variants whose extra math our model does not implement: loading them would draft garbage.
 UNSUPPORTED_DFLASH_CONFIG_KEYS = ("attention_sink_bias", "attention_value_scale", "projector_type")
+# speculators DFlash variants (newer releases) that change the math or the label alignment: value -> what we compute.
+SPECULATORS_PLAIN_VALUES = {"projector_type": (None, "dflash"), "shift_label": (None, False)}
 
 FOLDER_MODE = 0o777  # before the umask, as mkdir would
 # Inside each export's temporary folder while it is written: who writes it, so a later export can prove a leftover
@@ -152,24 +175,27 @@ def detect_dialect(config: dict, source: str = CONFIG_NAME) -> str:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     speculators_type = config.get("speculators_model_type")
-    if model_type in (DFlashConfig.model_type, DSparkConfig.model_type):
+    if model_type in (DFlashConfig.model_type, DSparkConfig.model_type, DFlash2Config.model_type):
         return OURS
     if speculators_type is not None:
-        dialect = {"dflash": SPECULATORS_DFLASH, "dspark": SPECULATORS_DSPARK}.get(speculators_type)
+        dialect = SPECULATORS_DIALECTS.get(speculators_type)
         if dialect is None:
             raise ValueError(
                 f"{source} is a speculators checkpoint of type {speculators_type!r}; only the block drafters "
-                f"'dflash' and 'dspark' load here."
+                f"{', '.join(map(repr, SPECULATORS_DIALECTS))} load here."
             )
         return dialect
+    if ZLAB_DFLASH2_ARCHITECTURE in architectures:  # its fields may sit at the top level: no dflash_config needed
+        return ZLAB_DFLASH2
     if ZLAB_ARCHITECTURE in architectures and isinstance(config.get("dflash_config"), dict):
         return ZLAB if "auto_map" in config else MODELOPT
     if DEEPSPEC_ARCHITECTURE in architectures and "target_layer_ids" in config:
         return DEEPSPEC
     raise ValueError(
-        f"Cannot tell which draft format {source} is. Checked: model_type in ('dflash', 'dspark') (ours), found "
-        f"{model_type!r}; speculators_model_type in ('dflash', 'dspark') (speculators), found {speculators_type!r}; "
-        f"architectures containing {ZLAB_ARCHITECTURE!r} with a `dflash_config` dict (z-lab with auto_map, NVIDIA "
+        f"Cannot tell which draft format {source} is. Checked: model_type in ('dflash', 'dspark', 'dflash2') (ours), "
+        f"found {model_type!r}; speculators_model_type in {tuple(SPECULATORS_DIALECTS)} (speculators), found "
+        f"{speculators_type!r}; architectures containing {ZLAB_DFLASH2_ARCHITECTURE!r} (z-lab DFlash 2) or "
+        f"{ZLAB_ARCHITECTURE!r} with a `dflash_config` dict (z-lab with auto_map, NVIDIA "
         f"ModelOpt without), found architectures={architectures} and dflash_config="
         f"{'present' if 'dflash_config' in config else 'absent'}; architectures containing "
         f"{DEEPSPEC_ARCHITECTURE!r} with top-level `target_layer_ids` (DeepSpec), found "
@@ -196,10 +222,13 @@ class LoadPlan:
     config: DFlashConfig
     ignored: set[str] = field(default_factory=set)  # checkpoint tensors we knowingly drop
     fills: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # our tensors the dialect omits
+    renames: dict[str, str] = field(default_factory=dict)  # checkpoint name -> ours, where a dialect spells it apart
 
     @property
     def model_class(self) -> type[DFlashDraftModel]:
-        return DSparkDraftModel if isinstance(self.config, DSparkConfig) else DFlashDraftModel
+        if isinstance(self.config, DSparkConfig):
+            return DSparkDraftModel
+        return DFlash2DraftModel if isinstance(self.config, DFlash2Config) else DFlashDraftModel
 
 
 def _layer_fields(raw: dict, context: str) -> dict:
@@ -277,7 +306,7 @@ def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPl
         # ModelOpt's all-layer sliding window: every draft layer slides, over `swa_window_size` tokens.
         fields["layer_types"] = ["sliding_attention"] * fields["num_hidden_layers"]
         fields["sliding_window"] = dflash.get("swa_window_size", fields["sliding_window"])
-    fields["sliding_window_causal"] = bool(dflash.get("causal", not dflash.get("use_swa", False)))
+    fields["sliding_window_causal"] = _zlab_sliding_causal(raw, dflash, fields["layer_types"], context)
     num_target_layers = _recorded_layer_count(raw.get("num_target_layers"), overrides, context)
     block_size = raw.get("block_size", dflash.get("block_size"))
     # z-lab's own code derives `target_layer_ids` from `num_target_layers` when dflash_config has none; so do we.
@@ -287,8 +316,11 @@ def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPl
     if target_layer_ids is not None:
         _check_layer_ids(context, "dflash_config.target_layer_ids", target_layer_ids, list(target_layer_ids),
                          num_target_layers)
+    # z-lab 0.1.0 applies these to DFlash drafts too; set only when the checkpoint states them.
+    optional = {name: dflash.get(name, raw.get(name)) for name in ZLAB_OPTIONAL_FIELDS}
     config = DFlashConfig(
         **fields,
+        **{name: value for name, value in optional.items() if value is not None},
         target_hidden_size=raw.get("target_hidden_size") or fields["hidden_size"],
         num_target_layers=num_target_layers,
         target_layer_ids=target_layer_ids,
@@ -298,6 +330,95 @@ def _zlab_plan(raw: dict, dialect: str, context: str, overrides: dict) -> LoadPl
         shares_target_lm_head=True,
     )
     return LoadPlan(dialect, config, ignored=set(TRAINING_ONLY_TENSORS[dialect]))
+
+
+def _zlab_sliding_causal(raw: dict, dflash: dict, layer_types: list[str], context: str) -> bool:
+    """Whether the draft's sliding-window layers attend causally inside the block (our `sliding_window_causal`).
+
+    z-lab 0.1.0 reads a top-level `is_causal`: null makes sliding layers causal and full ones bidirectional, a bool
+    applies to every layer. ModelOpt writes `dflash_config.causal` (sliding layers only; bidirectional by default under
+    its all-layer `use_swa`). Our full-attention layers are always bidirectional, so `is_causal: true` beside a
+    full-attention layer describes a draft this package does not compute: refused rather than loaded wrong.
+    """
+    default = bool(dflash.get("causal", not dflash.get("use_swa", False)))
+    is_causal = raw.get("is_causal")
+    if is_causal is None:
+        return default
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"{context}: `is_causal` = {is_causal!r}, expected true, false or null.")
+    full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    if is_causal and full:
+        raise ValueError(
+            f"{context}: `is_causal` = true makes every draft layer causal inside the block, the full-attention "
+            f"layers {full} included (layer_types={layer_types}); this package's full-attention draft layers are "
+            "always bidirectional inside the block, so that draft would compute something else. Only "
+            "sliding-window layers can be causal here (`is_causal` null or absent: sliding causal, full "
+            "bidirectional)."
+        )
+    if "causal" in dflash and bool(dflash["causal"]) != is_causal:
+        raise ValueError(f"{context}: `is_causal` = {is_causal} and `dflash_config.causal` = {dflash['causal']!r} "
+                         "disagree about the sliding-window layers; keep one of them.")
+    return is_causal
+
+
+def _codebook_renames(names: set[str], context: str) -> dict[str, str]:
+    """`candidate_selector.*_codebook.weight` (a checkpoint re-saved from z-lab's `nn.Embedding` codebooks) read as
+    the bare tensors the released DFlash 2 checkpoints hold, and ours."""
+    renames = {}
+    for name in CODEBOOKS:
+        suffixed = f"{name}.weight"
+        if suffixed in names:
+            if name in names:
+                raise ValueError(f"{context}: the checkpoint holds both `{name}` and `{suffixed}`: one codebook "
+                                 "stored twice, and nothing says which is meant.")
+            renames[suffixed] = name
+    return renames
+
+
+def _zlab_dflash2_plan(raw: dict, context: str, names: set[str], overrides: dict) -> LoadPlan:
+    """z-lab's DFlash 2 layout: its fields in `dflash_config` or at the top level, `dflash_config` winning (z-lab's
+    `_draft_value`); `is_causal` at the top level."""
+    dflash = raw.get("dflash_config")
+    if dflash is None:
+        dflash = {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"`dflash_config` is {type(dflash).__name__}, expected a dict (or absent, with the DFlash 2 "
+                         "fields at the top level).")
+
+    def value(name):
+        return dflash.get(name, raw.get(name))
+
+    unsupported = [key for key in (*UNSUPPORTED_DFLASH_CONFIG_KEYS, "fc_layernorm")
+                   if value(key) not in (None, False, "dflash")]
+    if unsupported:
+        raise ValueError(f"{context}: uses {', '.join(f'{k}={value(k)!r}' for k in unsupported)}, a drafter variant "
+                         "this package does not implement.")
+    fields = _layer_fields(raw, context)
+    # Seen in other DFlash 2 families, read by neither z-lab's code nor ours: a selector vocabulary other than the
+    # draft's would mean a different walk, so it is refused rather than ignored.
+    selector_vocab = value("selector_vocab_size")
+    if selector_vocab is not None and selector_vocab != fields["vocab_size"]:
+        raise ValueError(f"{context}: selector_vocab_size={selector_vocab!r} differs from vocab_size="
+                         f"{fields['vocab_size']}; a selector over another vocabulary is not implemented here.")
+    fields["sliding_window_causal"] = _zlab_sliding_causal(raw, dflash, fields["layer_types"], context)
+    num_target_layers = _recorded_layer_count(raw.get("num_target_layers"), overrides, context)
+    required = {name: value(name) for name in ("block_size", "mask_token_id", *DFLASH2_FIELDS)}
+    _require(required, ZLAB_DFLASH2, " (in dflash_config or at the top level)")
+    target_layer_ids = value("target_layer_ids")
+    if target_layer_ids is not None:
+        _check_layer_ids(context, "target_layer_ids", target_layer_ids, list(target_layer_ids), num_target_layers)
+    config = DFlash2Config(
+        **fields,
+        **required,
+        **{name: value(name) for name in ZLAB_OPTIONAL_FIELDS},
+        target_hidden_size=raw.get("target_hidden_size") or fields["hidden_size"],
+        num_target_layers=num_target_layers,
+        target_layer_ids=target_layer_ids,
+        shares_target_input_embedding=True,
+        shares_target_lm_head=True,
+    )
+    return LoadPlan(ZLAB_DFLASH2, config, ignored=set(TRAINING_ONLY_TENSORS[ZLAB_DFLASH2]),
+                    renames=_codebook_renames(names, context))
 
 
 def _recorded_layer_count(recorded, overrides: dict, context: str) -> int:
@@ -361,14 +482,19 @@ def _identity_vocab_fills(config: DSparkConfig) -> dict:
 def _speculators_plan(raw: dict, dialect: str, context: str, names: set[str], overrides: dict,
                       hub_options: dict) -> LoadPlan:
     kind = raw["speculators_model_type"]
-    settings = {**SPECULATORS_DEFAULTS[kind], **{k: raw[k] for k in SPECULATORS_DEFAULTS[kind] if k in raw}}
+    settings = {**SPECULATORS_DEFAULTS[kind],
+                **{k: raw[k] for k in SPECULATORS_DEFAULTS[kind] if raw.get(k) is not None}}
     _require({name: raw.get(name) for name in ("transformer_layer_config", "draft_vocab_size", "block_size",
                                                 "aux_hidden_state_layer_ids", "mask_token_id")}, dialect)
+    variants = [f"{key}={raw[key]!r}" for key, plain in SPECULATORS_PLAIN_VALUES.items() if raw.get(key) not in plain]
+    if variants:
+        raise ValueError(f"{context}: {', '.join(variants)} is a speculators DFlash variant (another projector or "
+                         "shifted labels) this package does not implement.")
     layer_config = raw["transformer_layer_config"]
     if not isinstance(layer_config, dict):
         raise ValueError(f"`transformer_layer_config` is {type(layer_config).__name__}, expected a dict.")
     fields = _layer_fields(layer_config, context)
-    fields["sliding_window_causal"] = not raw.get("sliding_window_non_causal", False)
+    fields["sliding_window_causal"] = not settings["sliding_window_non_causal"]
     num_target_layers = _speculators_layer_count(raw, overrides, context, hub_options)
     aux_ids = raw["aux_hidden_state_layer_ids"]
     if not aux_ids:
@@ -378,6 +504,15 @@ def _speculators_plan(raw: dict, dialect: str, context: str, names: set[str], ov
     vocab_size = fields["vocab_size"]
     draft_vocab_size = int(raw["draft_vocab_size"])
     pruned = draft_vocab_size < vocab_size
+    if kind == "dflash2":
+        # speculators' DFlash2 model refuses both, as the serving engines' DFlash 2 contract does.
+        if pruned:
+            raise ValueError(f"{context}: draft_vocab_size={draft_vocab_size} < vocab_size={vocab_size}, but a DFlash "
+                             "2 draft proposes from the full target vocabulary (its codebooks are indexed by target "
+                             "ids); speculators itself refuses this config.")
+        if settings["sample_from_anchor"]:
+            raise ValueError(f"{context}: sample_from_anchor=true, but a DFlash 2 draft keeps the anchor as the bonus "
+                             "token (DFlash layout); speculators itself refuses this config.")
     if pruned and not {"d2t", "t2d"} <= names:
         absent = sorted({"d2t", "t2d"} - names)
         raise ValueError(f"{context}: missing tensors: {', '.join(absent)} (draft_vocab_size={draft_vocab_size} < "
@@ -393,6 +528,9 @@ def _speculators_plan(raw: dict, dialect: str, context: str, names: set[str], ov
         tie_word_embeddings=False,
     )
     ignored = set(TRAINING_ONLY_TENSORS[dialect]) | (set() if pruned else _unpruned_maps(names, vocab_size, context))
+    if kind == "dflash2":
+        config = DFlash2Config(**common, **{name: settings[name] for name in DFLASH2_FIELDS})
+        return LoadPlan(dialect, config, ignored=ignored, renames=_codebook_renames(names, context))
     if not (kind == "dspark" or pruned or settings["sample_from_anchor"]):
         return LoadPlan(dialect, DFlashConfig(**common), ignored=ignored)
     # A pruned vocabulary or the anchor-sampling layout needs DSpark's machinery, with or without its heads.
@@ -443,7 +581,8 @@ def _deepspec_plan(raw: dict, context: str, names: set[str], overrides: dict) ->
 
 def _ours_plan(raw: dict, context: str, overrides: dict) -> LoadPlan:
     """The config class checks its own required fields (`from_dict`); a target depth the caller gives fills in."""
-    config_class = DSparkConfig if raw.get("model_type") == DSparkConfig.model_type else DFlashConfig
+    config_class = {DSparkConfig.model_type: DSparkConfig,
+                    DFlash2Config.model_type: DFlash2Config}.get(raw.get("model_type"), DFlashConfig)
     raw = {**raw, "num_target_layers": _recorded_layer_count(raw.get("num_target_layers"), overrides, context)}
     ids = raw.get("target_layer_ids")
     if ids is not None:
@@ -467,7 +606,9 @@ def plan_load(raw: dict, names: set[str], source: str, overrides: dict | None = 
             return _ours_plan(raw, context, overrides)
         if dialect in (ZLAB, MODELOPT):
             return _zlab_plan(raw, dialect, context, overrides)
-        if dialect in (SPECULATORS_DFLASH, SPECULATORS_DSPARK):
+        if dialect == ZLAB_DFLASH2:
+            return _zlab_dflash2_plan(raw, context, names, overrides)
+        if dialect in SPECULATORS_DIALECTS.values():
             return _speculators_plan(raw, dialect, context, names, overrides, hub_options)
         return _deepspec_plan(raw, context, names, overrides)
     except ValueError as error:
@@ -490,19 +631,21 @@ def _torch_dtype(value) -> torch.dtype | None:
     return resolved
 
 
-def _check_tensors(plan: LoadPlan, expected: dict[str, tuple], headers: dict, context: str) -> set[str]:
-    """The checkpoint tensors to read; raises, naming every problem at once, unless they fill the model exactly.
+def _check_tensors(plan: LoadPlan, expected: dict[str, tuple], headers: dict, context: str) -> dict[str, str]:
+    """{our name: checkpoint name} of the tensors to read; raises, naming every problem at once, unless they fill the
+    model exactly.
 
-    Every dialect studied names the body, heads and vocabulary maps as we do (unprefixed), so names map to
-    themselves; what differs is which tensors exist, and which are training-only.
+    Every dialect studied names the body, heads and vocabulary maps as we do (unprefixed), so names map to themselves
+    but for the few a plan renames (DFlash 2 codebooks spelled with `.weight`); what differs is which tensors exist,
+    and which are training-only.
     """
-    present = set(headers) - plan.ignored
+    present = {plan.renames.get(name, name): name for name in set(headers) - plan.ignored}
     problems = []
-    missing = sorted(set(expected) - present - set(plan.fills))
-    unexpected = sorted(present - set(expected))
+    missing = sorted(set(expected) - set(present) - set(plan.fills))
+    unexpected = sorted(present[name] for name in set(present) - set(expected))
     mismatched = [
-        f"{name}: checkpoint {list(headers[name][1])} vs expected {list(expected[name])}"
-        for name in sorted(present & set(expected)) if headers[name][1] != expected[name]
+        f"{present[name]}: checkpoint {list(headers[present[name]][1])} vs expected {list(expected[name])}"
+        for name in sorted(set(present) & set(expected)) if headers[present[name]][1] != expected[name]
     ]
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
@@ -516,15 +659,16 @@ def _check_tensors(plan: LoadPlan, expected: dict[str, tuple], headers: dict, co
     return present
 
 
-def _read_tensors(plan: LoadPlan, names: set[str], headers: dict, dtype, device) -> dict[str, torch.Tensor]:
+def _read_tensors(plan: LoadPlan, names: dict[str, str], headers: dict, dtype, device) -> dict[str, torch.Tensor]:
+    """Our state dict from the checkpoint tensors `names` ({our name: checkpoint name}) and the plan's fills."""
     by_file: dict[Path, list[str]] = {}
     for name in sorted(names):
-        by_file.setdefault(headers[name][0], []).append(name)
+        by_file.setdefault(headers[names[name]][0], []).append(name)
     state = {}
     for file, file_names in by_file.items():
         with safe_open(str(file), framework="pt", device=str(device)) as handle:
             for name in file_names:
-                tensor = handle.get_tensor(name)
+                tensor = handle.get_tensor(names[name])
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[name] = tensor
@@ -540,7 +684,8 @@ def _read_tensors(plan: LoadPlan, names: set[str], headers: dict, dtype, device)
 
 
 def load_draft(path_or_repo_id, **from_pretrained_kwargs) -> DFlashDraftModel:
-    """Load a DFlash/DSpark draft from any known dialect as our `DFlashDraftModel` / `DSparkDraftModel`.
+    """Load a DFlash/DSpark/DFlash 2 draft from any known dialect as our `DFlashDraftModel` / `DSparkDraftModel` /
+    `DFlash2DraftModel`.
 
     Accepted keyword arguments: dtype (or torch_dtype; "auto"/None keeps the checkpoint's, e.g. bf16), device,
     the Hub options revision / cache_dir / token / local_files_only, and num_target_layers for checkpoints that do not
@@ -565,7 +710,8 @@ def load_draft(path_or_repo_id, **from_pretrained_kwargs) -> DFlashDraftModel:
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     names = _check_tensors(plan, expected, headers, context)
     state = _read_tensors(plan, names, headers, dtype, device)
-    check_finite_weights(state, lambda name: str(headers[name][0]) if name in headers else f"{context} (filled in)")
+    check_finite_weights(state, lambda name: str(headers[names[name]][0]) if name in names
+                         else f"{context} (filled in)")
     if isinstance(plan.config, DSparkConfig):
         try:
             check_vocab_mapping(state["d2t"], state["t2d"], plan.config.draft_vocab_size, plan.config.vocab_size)
@@ -700,10 +846,17 @@ def _verifier_entry(verifier) -> dict:
     return {"name_or_path": str(verifier), "architectures": architectures}
 
 
+def _speculators_kind(config: DFlashConfig) -> str:
+    if isinstance(config, DFlash2Config):
+        return "dflash2"
+    return "dspark" if _has_dspark_heads(config) else "dflash"
+
+
 def speculators_config(model: DFlashDraftModel, verifier=None) -> dict:
-    """Our config in speculators' layout (what vLLM's `speculators` loader reads)."""
+    """Our config in speculators' layout (what vLLM's `speculators` loader reads; DFlash 2 as speculators'
+    experimental `dflash2` type writes it)."""
     config = model.config
-    kind = "dspark" if _has_dspark_heads(config) else "dflash"
+    kind = _speculators_kind(config)
     sample_from_anchor = bool(getattr(config, "sample_from_anchor", False))
     draft_vocab_size = getattr(config, "draft_vocab_size", config.vocab_size)
     speculative_tokens = config.block_size if sample_from_anchor else config.block_size - 1
@@ -733,6 +886,12 @@ def speculators_config(model: DFlashDraftModel, verifier=None) -> dict:
         exported.update(markov_rank=config.markov_rank, markov_head_type=config.markov_head_type,
                         enable_confidence_head=config.enable_confidence_head,
                         confidence_head_with_markov=config.confidence_head_with_markov)
+    if kind == "dflash2":
+        exported.update({name: getattr(config, name) for name in DFLASH2_FIELDS})
+    unsaid = [name for name in ZLAB_OPTIONAL_FIELDS if getattr(config, name, None) is not None]
+    if unsaid:
+        raise ValueError(f"The speculators {kind} config has no {', '.join(unsaid)}, which this draft sets; export it "
+                         "with to='zlab' (z-lab's layout carries them) or to='hf'.")
     return exported
 
 
@@ -749,12 +908,18 @@ def speculators_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
 
 
 def zlab_config(model: DFlashDraftModel) -> dict:
-    """Our DFlash config in the z-lab layout, as NVIDIA ModelOpt writes it (no `auto_map`: no z-lab code ships)."""
+    """Our DFlash config in the z-lab layout, as NVIDIA ModelOpt writes it (no `auto_map`: no z-lab code ships).
+
+    A DFlash 2 draft is written as z-lab's released DFlash 2 drafts are: architecture `DFlash2DraftModel`, its
+    fields (and the block size) in `dflash_config`, bidirectional sliding layers as a top-level `is_causal: false`
+    (z-lab 0.1.0 reads no `dflash_config.causal`).
+    """
     config = model.config
+    dflash2 = isinstance(config, DFlash2Config)
     rope = dict(config.rope_parameters)
     rope_theta = rope.pop("rope_theta")
     exported = {
-        "architectures": [ZLAB_ARCHITECTURE],
+        "architectures": [ZLAB_DFLASH2_ARCHITECTURE if dflash2 else ZLAB_ARCHITECTURE],
         "model_type": "qwen3",
         "block_size": config.block_size,
         "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
@@ -779,16 +944,28 @@ def zlab_config(model: DFlashDraftModel) -> dict:
         "layer_types": list(config.layer_types),
     }
     if "sliding_attention" in config.layer_types:
-        exported["sliding_window"] = config.sliding_window
-        exported["dflash_config"]["causal"] = config.sliding_window_causal
+        # Without use_sliding_window, transformers' Qwen3Config (which z-lab's `dflash` 0.1.0 loads configs with)
+        # drops the window, and its sliding layers would attend over the whole context.
+        exported.update(sliding_window=config.sliding_window, use_sliding_window=True)
+        if not dflash2:
+            exported["dflash_config"]["causal"] = config.sliding_window_causal
+        elif not config.sliding_window_causal:
+            exported["is_causal"] = False
     if config.target_hidden_size != config.hidden_size:
         exported["target_hidden_size"] = config.target_hidden_size  # vLLM sizes fc from it
+    if dflash2:
+        del exported["block_size"]
+        exported["dflash_config"].update(block_size=config.block_size,
+                                         **{name: getattr(config, name) for name in DFLASH2_FIELDS})
+    exported["dflash_config"].update({name: getattr(config, name) for name in ZLAB_OPTIONAL_FIELDS
+                                      if getattr(config, name, None) is not None})
     return exported
 
 
 def zlab_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     if isinstance(model, DSparkDraftModel):
-        raise ValueError("The z-lab format holds DFlash drafts only; export a DSpark draft with to='speculators'.")
+        raise ValueError("The z-lab format holds DFlash and DFlash 2 drafts only; export a DSpark draft with "
+                         "to='speculators'.")
     if not model.config.shares_target_embeddings:  # borrows both
         raise ValueError("The z-lab format has no embedding or lm_head (the target's are borrowed), but this draft "
                          "has its own; export it with to='speculators'.")
@@ -833,8 +1010,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("src", help="draft folder or Hub repo id, in any known dialect")
     parser.add_argument("dst", help="output folder (written atomically)")
     parser.add_argument("--to", choices=EXPORT_FORMATS, default="hf",
-                        help="hf: our trust_remote_code format (default); speculators: for vLLM; zlab: for vLLM/SGLang "
-                             "(DFlash only)")
+                        help="hf: our trust_remote_code format (default); speculators: for vLLM and speculators; "
+                             "zlab: for vLLM/SGLang (DFlash and DFlash 2)")
     parser.add_argument("--verifier", default=None,
                         help="target id/folder: recorded in speculators exports and read for its layer count "
                              "(default: the source's own verifier, if it names one)")
@@ -875,7 +1052,7 @@ def _convert(args) -> int:
     # A speculators source names its verifier; carry it over unless the user names another.
     verifier = args.verifier or ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     num_target_layers = args.num_target_layers
-    if num_target_layers is None and args.verifier and dialect in (SPECULATORS_DFLASH, SPECULATORS_DSPARK):
+    if num_target_layers is None and args.verifier and dialect in SPECULATORS_DIALECTS.values():
         verifier_config = _verifier_config(args.verifier, {})
         if verifier_config is not None:
             num_target_layers = (verifier_config.get("text_config") or verifier_config)["num_hidden_layers"]

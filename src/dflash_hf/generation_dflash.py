@@ -232,9 +232,10 @@ LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 5, 2
 class DFlashCandidateGenerator(CandidateGenerator):
     """Drafts one block per step from the target's captured hidden states, on transformers' assisted decoding.
 
-    The target's verification forward captures only `target_layer_ids` (`model_kwargs_overrides`); each call feeds
-    the newly verified tokens' states to the draft's context cache and proposes the next block. One generator per
-    generate call: it holds that call's context cache, capture and books (`stats`).
+    The target's verification forward captures only `target_layer_ids` (`model_kwargs_overrides`); each step keeps the
+    newly verified tokens' states, lets the length policy choose how many tokens to propose (looked up, drafted, or
+    none: a plain decode step), and hands the draft every state it has not read yet when it drafts. One generator per
+    generate call: it holds that call's context cache, capture, policy state and books (`stats`).
     """
 
     requires_model_outputs = True
@@ -262,7 +263,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.draft = draft
         self.device = draft.fc.weight.device
         self.cache = draft.new_context_cache()
-        self.num_context = 0  # verified tokens whose states are in the draft's cache
+        self.num_context = 0  # verified tokens whose states were captured (in the draft's cache, or pending)
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
         threshold = getattr(generation_config, "dspark_confidence_threshold", None)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from . import REMOTE_CODE_FILES
+from . import DFLASH2_CODE_FILES, REMOTE_CODE_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +36,19 @@ SPACE_SKIPPED_REQUIREMENTS = ("torch", "triton")
 SPACE_EXTRA_REQUIREMENTS = ("torch", "spaces")
 # The package files a Space needs to run the demo: everything but caches and training outputs.
 SPACE_PACKAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-KIND_NAMES = {"dflash": "DFlash", "dspark": "DSpark"}
+KIND_NAMES = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash 2"}
 KIND_BLURBS = {
     "dflash": "a few transformer layers that draft a whole block of tokens in one forward (block diffusion).",
     "dspark": "a DFlash block drafter plus a low-rank Markov head (each drafted token sees the one before it) and a "
               "confidence head that stops drafting when acceptance becomes unlikely.",
+    "dflash2": "a DFlash block drafter whose layers mix each block position with the ones before it (grouped dynamic "
+               "causal convolutions around attention and MLP), and whose proposals come from a walk over each "
+               "slot's top candidates scored against the token picked before (a low-rank candidate selector).",
 }
 # What `dflash-hf bench --json` writes (dflash_hf.bench: SCHEMA_NAME, OURS, BASELINE); read here without importing
 # the benchmark, which pulls in the datasets machinery.
 BENCH_SCHEMA = "dflash-hf-bench"
-BENCH_PATHS = {"dflash": "dflash_hf", "dspark": "dspark_hf"}
+BENCH_PATHS = {"dflash": "dflash_hf", "dspark": "dspark_hf", "dflash2": "dflash2_hf"}
 BENCH_BASELINE = "baseline"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -81,7 +84,13 @@ def _fill(template_path: Path, **values) -> str:
 
 
 def draft_kind(draft) -> str:
-    return "dspark" if getattr(draft.config, "model_type", "") == "dspark" else "dflash"
+    model_type = getattr(draft.config, "model_type", "")
+    return model_type if model_type in KIND_NAMES else "dflash"
+
+
+def code_files(kind: str) -> tuple[str, ...]:
+    """The remote-code files a saved draft of this kind carries (DFlash 2's import DFlash's)."""
+    return REMOTE_CODE_FILES + (DFLASH2_CODE_FILES if kind == "dflash2" else ())
 
 
 def load_draft_for_upload(draft_path: str):
@@ -160,12 +169,33 @@ def _results_section(bench: dict) -> str:
     return f"## Measured speed\n\n| | |\n|---|---|\n{table}{command}"
 
 
+def _vllm_section(kind: str, repo_id: str, base_model: str, short_name: str, num_slots: int) -> str:
+    if kind == "dflash2":
+        # vLLM's DFlash 2 support (vllm-project/vllm#52816) is switched on by the checkpoint's DFlash2DraftModel
+        # architecture, under the `dflash` method.
+        layout, folder, extra = ("the z-lab layout (architecture `DFlash2DraftModel`, which switches on its "
+                                 "convolutions and selector)", f"./{short_name}-zlab", "--to zlab")
+    else:
+        layout, folder, extra = ("the speculators layout", f"./{short_name}-speculators",
+                                 f"--to speculators --verifier {base_model}")
+    method = "dflash" if kind == "dflash2" else kind
+    return (
+        f"## Use with vLLM\n\nvLLM reads {layout}; convert once, then serve:\n\n```bash\n"
+        f"dflash-hf convert {repo_id} {folder} {extra}\n"
+        f"vllm serve {base_model} \\\n"
+        f"  --speculative-config '{{\"method\": \"{method}\", \"model\": \"{folder}\", "
+        f"\"num_speculative_tokens\": {num_slots}}}'\n```"
+    )
+
+
 def _sglang_section(kind: str, repo_id: str, base_model: str, short_name: str, block_size: int) -> str:
-    if kind != "dflash":
+    if kind == "dspark":
         return ("## Use with SGLang\n\nSGLang's `DFLASH` algorithm has no Markov or confidence head; run this DSpark "
                 "draft with transformers or vLLM.")
+    reads = ("the z-lab layout (a `DFlash2DraftModel` checkpoint switches on DFlash 2 under the same algorithm)"
+             if kind == "dflash2" else "the z-lab layout")
     return (
-        "## Use with SGLang\n\nSGLang reads the z-lab layout; convert once, then launch:\n\n```bash\n"
+        f"## Use with SGLang\n\nSGLang reads {reads}; convert once, then launch:\n\n```bash\n"
         f"dflash-hf convert {repo_id} ./{short_name}-zlab --to zlab\n"
         f"python -m sglang.launch_server --model-path {base_model} \\\n"
         "  --speculative-algorithm DFLASH \\\n"
@@ -194,7 +224,7 @@ def build_model_repo(draft_path: str, dest: str | Path, repo_id: str, base_model
     # save_pretrained writes auto_map and copies the remote-code files (the registered classes' and their imports).
     draft.save_pretrained(dest)
     config = json.loads((dest / "config.json").read_text())
-    missing = [name for name in REMOTE_CODE_FILES if not (dest / name).exists()]
+    missing = [name for name in code_files(kind) if not (dest / name).exists()]
     if "AutoModel" not in config.get("auto_map", {}) or missing or not list(dest.glob("*.safetensors")):
         raise UploadError(
             f"The saved draft in {dest} cannot load on its own: auto_map={config.get('auto_map')}, missing "
@@ -215,7 +245,8 @@ def build_model_repo(draft_path: str, dest: str | Path, repo_id: str, base_model
         repo_id=repo_id, short_name=short_name, block_size=cfg.block_size, num_slots=cfg.num_speculative_slots,
         target_layer_ids=list(cfg.target_layer_ids), num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
         mask_token_id=cfg.mask_token_id, num_parameters=_human_count(sum(p.numel() for p in draft.parameters())),
-        results=_results_section(bench), vllm_method=kind,
+        results=_results_section(bench), code_files=", ".join(f"`{name}`" for name in code_files(kind)),
+        vllm_section=_vllm_section(kind, repo_id, base_model, short_name, cfg.num_speculative_slots),
         sglang_section=_sglang_section(kind, repo_id, base_model, short_name, cfg.block_size),
     )
     (dest / "README.md").write_text(_front_matter(metadata) + "\n" + body)
@@ -309,7 +340,7 @@ def build_space_repo(dest: str | Path, repo_id: str, target: str | None = None, 
     }
     drafts_text = ", ".join(f"`{d}`" for d in (drafts or placed_drafts)) or (
         "none given, so the app uses randomly initialised ones and says so (the output is still the target's)")
-    body = _fill(templates / "README.md", title=metadata["title"], target=target, kinds="DFlash or DSpark",
+    body = _fill(templates / "README.md", title=metadata["title"], target=target, kinds="DFlash, DSpark or DFlash 2",
                  drafts=drafts_text)
     (dest / "README.md").write_text(_front_matter(metadata) + "\n" + body)
     logger.info("Space for %s assembled in %s", repo_id, dest)

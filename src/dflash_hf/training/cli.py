@@ -51,16 +51,23 @@ PRESETS = {
             "dflash": DraftSpec(kind="dflash", **_SMOLLM2_DRAFT),
             "dspark": DraftSpec(kind="dspark", draft_vocab_size=4096, markov_rank=32, markov_head_type="vanilla",
                                 enable_confidence_head=True, **{**_SMOLLM2_DRAFT, "num_layers": 2}),
+            # Not trained yet (no shipped draft): the released drafts' conv and top-K, a rank sized to this target.
+            "dflash2": DraftSpec(kind="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=64,
+                                 selector_top_k=16, **_SMOLLM2_DRAFT),
         },
         train={
             "dflash": TrainConfig(max_steps=3000, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
                                   eval_every=200, eval_sequences=6, checkpoint_every=50),
             "dspark": TrainConfig(max_steps=4000, sequences_per_step=2, anchors_per_sequence=32, learning_rate=1e-3,
                                   eval_every=200, eval_sequences=6, checkpoint_every=50),
+            "dflash2": TrainConfig(max_steps=3000, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
+                                   eval_every=200, eval_sequences=6, checkpoint_every=50, selector_weight=1.0),
         },
         notes="DFlash 1 draft layer, DSpark 2 (initialised from the target's last layer), reading target layers "
               "[1, 14, 27]; block 8; mask token id 0 (<|endoftext|>, never inside an answer). DSpark: one 2-layer "
-              "run beat a 1-layer 6000-step one (HumanEval tau 1.78 vs 1.60 on 6 prompts).",
+              "run beat a 1-layer 6000-step one (HumanEval tau 1.78 vs 1.60 on 6 prompts). DFlash 2: the DFlash "
+              "draft's numbers plus 2-tap convolutions over 16-channel groups and a rank-64 top-16 selector; no run "
+              "of it is shipped yet.",
     ),
 }
 
@@ -170,6 +177,11 @@ def model_card(summary: dict, evaluation: str = "") -> str:
     if kind == "dspark":
         heads = (f" Markov head ({spec['markov_head_type']}, rank {spec['markov_rank']}), confidence head: "
                  f"{spec['enable_confidence_head']}.")
+    if kind == "dflash2":
+        heads = (f" Grouped dynamic convolutions ({spec['conv_kernel_size']} taps, groups of "
+                 f"{spec['conv_group_size']} channels) around each sublayer; a rank-{spec['selector_rank']} selector "
+                 f"walks each slot's top {spec['selector_top_k']} candidates (selector loss weight "
+                 f"{train.get('selector_weight', 1.0)}).")
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, {kind}, dflash-hf]
@@ -234,16 +246,18 @@ def train_from_preset(preset_name: str, kind: str, out: Path, work_dir: Path | N
 # ----------------------------------------------------------------------------------------------------------------------
 
 _DATA_FLAGS = {"num_topic_prompts": int, "num_code_prompts": int, "max_new_tokens": int, "batch_size": int}
-_SPEC_FLAGS = {"block_size": int, "num_layers": int, "draft_vocab_size": int, "markov_rank": int}
+_SPEC_FLAGS = {"block_size": int, "num_layers": int, "draft_vocab_size": int, "markov_rank": int,
+               "selector_rank": int, "selector_top_k": int, "conv_kernel_size": int, "conv_group_size": int}
 _TRAIN_FLAGS = {"max_steps": int, "sequences_per_step": int, "anchors_per_sequence": int, "learning_rate": float,
                 "seed": int, "eval_every": int, "checkpoint_every": int, "mixed_precision": str,
-                "max_minutes": float}
+                "max_minutes": float, "selector_weight": float}
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="train a DFlash or DSpark draft for a target (resumable)")
+    parser = subparsers.add_parser("train", help="train a DFlash, DSpark or DFlash 2 draft for a target (resumable)")
     parser.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
-    parser.add_argument("--kind", choices=("dflash", "dspark", "both"), default="dflash")
+    parser.add_argument("--kind", choices=("dflash", "dspark", "dflash2", "both"), default="dflash",
+                        help="the draft to train; both: dflash then dspark")
     parser.add_argument("--out", required=True, type=Path,
                         help="folder for the trained draft (with --kind both: a parent of <preset>-<kind>)")
     parser.add_argument("--target", default=None, help="Hub id or folder of another target (default: the preset's)")

@@ -1,4 +1,5 @@
-"""Block-drafting losses: weighted cross-entropy (DFlash) and CE + total variation + confidence BCE (DSpark).
+"""Block-drafting losses: weighted cross-entropy (DFlash), CE + total variation + confidence BCE (DSpark), and the
+K-way cross-entropy of DFlash 2's candidate selector.
 
 Every loss takes flat rows (one per drafted slot that has a label) with a per-row weight, so the caller decides which
 slots count (loss mask, sequence end) and how much (the positional decay): a slot deep in the block only matters if
@@ -59,3 +60,21 @@ def dspark_loss(draft_logits, labels, teacher_kept_logits, teacher_lse, confiden
         loss = loss + confidence_weight * bce_loss
         parts["bce"] = bce_loss.detach()
     return loss, parts
+
+
+def selector_training_candidates(candidates: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidates, label positions) for DFlash 2's selector loss: each slot's unary top-K [..., K] (best first) with
+    the label [...] put in place of the weakest candidate where the top-K misses it, so every slot has its label among
+    K choices (speculators' recipe; generation walks the plain top-K). Positions index the label in the candidates."""
+    hit = candidates == labels[..., None]
+    found = hit.any(-1)
+    candidates = candidates.clone()
+    candidates[..., -1] = torch.where(found, candidates[..., -1], labels)
+    positions = torch.where(found, hit.long().argmax(-1), torch.full_like(labels, candidates.shape[-1] - 1))
+    return candidates, positions
+
+
+def selector_loss(scores: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted K-way CE of the selector's candidate scores [M, K] against the label's position [M] among them."""
+    ce = F.cross_entropy(scores.float(), positions, reduction="none")
+    return _weighted_mean(ce, weights)

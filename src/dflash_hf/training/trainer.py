@@ -1,11 +1,13 @@
-"""Block training of a DFlash or DSpark draft on cached target features, through `accelerate`.
+"""Block training of a DFlash, DSpark or DFlash 2 draft on cached target features, through `accelerate`.
 
 One training row is one sequence with several random anchors. Each anchor opens a block `[anchor, MASK, ...]` at its
 real positions; the queries of all blocks are built at once and one boolean mask lets every block see the context
 strictly before its anchor and itself (bidirectionally), nothing else: exactly what the block sees at inference,
 where the context is the verified prefix and the anchor the last verified token. The layer math is the draft's own
 modules (`fc`, `hidden_norm`, `project_kv`, the decoder layers, `norm`, the heads), so training and inference
-cannot drift apart.
+cannot drift apart. DFlash 2's convolutions are told where each block starts (`block_len`), so with every block in one
+sequence they still never reach into another block, and its candidate selector is walked teacher-forced by the one
+walk function generation uses (`selector_walk`).
 
 Which sequences and anchors a step uses is a pure function of (seed, step, rank), so a run resumed from a checkpoint
 (model, optimizer, scheduler, RNG, step) continues exactly as the uninterrupted one would.
@@ -25,8 +27,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
+from ..configuration_dflash2 import DFlash2Config
 from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, layer_attention_mask, markov_walk
-from .losses import dflash_loss, dspark_loss, slot_weights
+from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
+from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids
 
 logger = logging.getLogger(__name__)
@@ -44,7 +48,7 @@ _RANK_STRIDE = 997
 class DraftSpec:
     """The draft's shape; None fields follow the target."""
 
-    kind: str = "dflash"  # "dflash" or "dspark"
+    kind: str = "dflash"  # "dflash", "dspark" or "dflash2"
     num_layers: int = 1
     num_target_layers_read: int | None = None  # how many target layers feed `fc`; None = num_layers (z-lab)
     target_layer_ids: list[int] | None = None
@@ -59,6 +63,10 @@ class DraftSpec:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     sample_from_anchor: bool = False
+    conv_kernel_size: int = 2  # DFlash 2 (the released drafts' values)
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
 
 @dataclass
@@ -81,6 +89,7 @@ class TrainConfig:
     ce_weight: float = 0.1  # DSpark
     tv_weight: float = 0.9  # DSpark
     confidence_weight: float = 1.0  # DSpark
+    selector_weight: float = 1.0  # DFlash 2: alpha of the K-way selector CE beside the DFlash CE (speculators' default)
     mixed_precision: str = "no"  # "bf16" pays off on GPUs; the CPU trains in fp32
     seed: int = 0
     log_every: int = 10
@@ -97,8 +106,12 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+DRAFT_KINDS = ("dflash", "dspark", "dflash2")
+
+
 def draft_config_for(target, spec: DraftSpec):
-    """A `DFlashConfig`/`DSparkConfig` sized for `target` (heads, hidden size, RoPE follow the target)."""
+    """A `DFlashConfig`/`DSparkConfig`/`DFlash2Config` sized for `target` (heads, hidden size, RoPE follow the
+    target)."""
     text = target.config.get_text_config(decoder=True)
     num_read = spec.num_target_layers_read or spec.num_layers
     layer_ids = spec.target_layer_ids or default_target_layer_ids(text.num_hidden_layers, num_read)
@@ -122,8 +135,11 @@ def draft_config_for(target, spec: DraftSpec):
     }
     if spec.kind == "dflash":
         return DFlashConfig(**fields)
+    if spec.kind == "dflash2":
+        return DFlash2Config(conv_kernel_size=spec.conv_kernel_size, conv_group_size=spec.conv_group_size,
+                             selector_rank=spec.selector_rank, selector_top_k=spec.selector_top_k, **fields)
     if spec.kind != "dspark":
-        raise ValueError(f"Unknown draft kind {spec.kind!r}: expected 'dflash' or 'dspark'.")
+        raise ValueError(f"Unknown draft kind {spec.kind!r}: expected one of {DRAFT_KINDS}.")
     return DSparkConfig(
         draft_vocab_size=spec.draft_vocab_size or text.vocab_size, markov_rank=spec.markov_rank,
         markov_head_type=spec.markov_head_type, enable_confidence_head=spec.enable_confidence_head,
@@ -136,7 +152,8 @@ def init_layers_from_target(draft: DFlashDraftModel, target, layer_index: int) -
     """Start every draft layer from a trained target layer (same names for attention, MLP and norms).
 
     A one-layer draft trained for minutes learns faster from a layer that already maps embeddings to next-token
-    features than from noise. Tensors the target layer lacks (q_norm/k_norm on Llama) keep their initialisation.
+    features than from noise. Tensors the target layer lacks (q_norm/k_norm on Llama; DFlash 2's convolutions, which
+    so stay identities) keep their initialisation.
     """
     source = target.get_decoder().layers[layer_index].state_dict()
     for layer in draft.layers:
@@ -173,7 +190,8 @@ def balance_fc_init(draft: DFlashDraftModel, store, max_sequences: int = 32) -> 
 def build_draft(target, spec: DraftSpec, vocab_mapping=None, seed: int = 0) -> DFlashDraftModel:
     torch.manual_seed(seed)
     config = draft_config_for(target, spec)
-    draft = DSparkDraftModel(config) if spec.kind == "dspark" else DFlashDraftModel(config)
+    # DFlash 2 starts as a DFlash draft: identity convolutions (its `_init_weights`), random codebooks.
+    draft = {"dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel}.get(spec.kind, DFlashDraftModel)(config)
     if vocab_mapping is not None:
         draft.set_vocab_mapping(*vocab_mapping)
     if spec.init_from_target_layer is not None:
@@ -332,9 +350,11 @@ def block_slot_outputs(draft: DFlashDraftModel, batch: BlockBatch) -> SlotOutput
     mask = training_attention_mask(batch.anchors, batch.anchor_valid, length, block)
     key_pos = torch.cat([context_pos, block_pos], 1)
     x = draft.embed(block_ids.reshape(batch_size, num_anchors * block)).to(dtype)
+    # DFlash 2's convolutions run along the sequence: told the block length, they stop at every block's start.
+    per_block = {"block_len": block} if isinstance(draft, DFlash2DraftModel) else {}
     for layer, layer_context_kv in zip(draft.layers, context_kv):
         layer_mask = layer_attention_mask(layer.self_attn, mask, block_pos, key_pos)
-        x = layer(x, blk_cos, blk_sin, layer_context_kv, layer_mask)
+        x = layer(x, blk_cos, blk_sin, layer_context_kv, layer_mask, **per_block)
     hidden = draft.norm(x).reshape(batch_size, num_anchors, block, -1)
 
     num_slots = config.num_speculative_slots
@@ -358,6 +378,35 @@ def slot_logits(draft: DFlashDraftModel, hidden: torch.Tensor, prev: torch.Tenso
     _, logits, confidence = markov_walk(base, hidden, prev, draft.markov_head, draft.confidence_head,
                                         bool(draft.config.confidence_head_with_markov))
     return logits, confidence
+
+
+def selector_scores(draft: DFlash2DraftModel, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor,
+                    candidates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [N, S, K], candidates [N, S, K]): DFlash 2's selector walked teacher-forced on the true previous tokens
+    `prev` [N, S]. `candidates` default to each slot's unary top-K, the set generation walks over; the unary scores are
+    the candidates' draft logits, so the selector's loss trains the backbone too."""
+    selector = draft.candidate_selector
+    if candidates is None:
+        candidates = selector.candidates(logits.detach())[1]
+    unary = logits.float().gather(-1, candidates)
+    _, scores = selector_walk(unary, candidates, selector.hidden_projection(hidden), selector.predecessor_codebook,
+                              selector.successor_codebook, prev)
+    return scores, candidates
+
+
+def greedy_picks(draft: DFlashDraftModel, logits: torch.Tensor, hidden: torch.Tensor,
+                 prev: torch.Tensor) -> torch.Tensor:
+    """Target ids [N, S] the greedy walk picks, teacher-forced (`slot_logits`' logits; DFlash 2: its selector's
+    argmax). While a block is accepted the walk's own picks are the true tokens, so the leading picks that match the
+    labels are exactly what greedy speculative decoding accepts."""
+    with torch.no_grad():
+        if isinstance(draft, DFlash2DraftModel):
+            scores, candidates = selector_scores(draft, logits, hidden, prev)
+            return candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+        picks = logits.argmax(-1)
+        if getattr(draft.config, "drafts_pruned_vocab", False):
+            picks = draft.draft_to_target()[picks]
+        return picks
 
 
 def _draft_labels(draft: DFlashDraftModel, labels: torch.Tensor) -> torch.Tensor:
@@ -387,7 +436,7 @@ class BlockTrainingModule(nn.Module):
         labels = out.labels.reshape(-1, num_slots)[rows]
         logits, confidence = slot_logits(draft, hidden, prev)
         weights = self.weights[None].expand_as(valid)[valid]
-        accepted = _accepted_lengths(logits, labels, valid, draft)
+        accepted = _accepted_lengths(greedy_picks(draft, logits, hidden, prev), labels, valid)
         metrics = {"tau": (1.0 + accepted.float()).mean().detach()}
         if isinstance(draft, DSparkDraftModel):
             teacher_at = out.teacher_at.reshape(-1, num_slots)[rows][valid]
@@ -402,16 +451,24 @@ class BlockTrainingModule(nn.Module):
                 config.ce_weight, config.tv_weight, config.confidence_weight,
             )
             metrics.update(parts)
+        elif isinstance(draft, DFlash2DraftModel):
+            # The DFlash CE on the full draft logits, plus the selector's K-way CE over each slot's unary top-K with
+            # the label put in (in place of the weakest candidate) where it is missing (speculators' recipe).
+            unary_loss = dflash_loss(logits[valid], labels[valid], weights)
+            top = draft.candidate_selector.candidates(logits.detach())[1]
+            candidates, positions = selector_training_candidates(top, labels)
+            scores, _ = selector_scores(draft, logits, hidden, prev, candidates)
+            chosen_loss = selector_loss(scores[valid], positions[valid], weights)
+            loss = unary_loss + config.selector_weight * chosen_loss
+            recall = (top == labels[..., None]).any(-1)[valid].float().mean()  # the labels a selector could pick
+            metrics.update(unary=unary_loss.detach(), selector=chosen_loss.detach(), candidate_recall=recall)
         else:
             loss = dflash_loss(logits[valid], labels[valid], weights)
         return loss, metrics
 
 
-def _accepted_lengths(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, draft) -> torch.Tensor:
-    """Greedy accepted length per block [N]: leading slots whose argmax equals the label (teacher-forced)."""
-    picks = logits.detach().argmax(-1)
-    if getattr(draft.config, "drafts_pruned_vocab", False):
-        picks = draft.draft_to_target()[picks]
+def _accepted_lengths(picks: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Greedy accepted length per block [N]: leading slots whose pick (`greedy_picks`) equals the label."""
     hits = (picks == labels) & valid
     return hits.long().cumprod(-1).sum(-1)
 
@@ -445,10 +502,12 @@ def heldout_tau(draft: DFlashDraftModel, store, indices: list[int], anchor_chunk
             batch = collate([item], [chunk]).to(draft.fc.weight.device)
             out = block_slot_outputs(draft, batch)
             num_slots = out.hidden.shape[2]
-            logits, _ = slot_logits(draft, out.hidden.reshape(-1, num_slots, out.hidden.shape[-1]),
-                                    out.prev.reshape(-1, num_slots))
-            accepted.append(_accepted_lengths(logits, out.labels.reshape(-1, num_slots),
-                                              out.valid.reshape(-1, num_slots), draft).cpu())
+            hidden = out.hidden.reshape(-1, num_slots, out.hidden.shape[-1])
+            prev = out.prev.reshape(-1, num_slots)
+            logits, _ = slot_logits(draft, hidden, prev)
+            accepted.append(_accepted_lengths(greedy_picks(draft, logits, hidden, prev),
+                                              out.labels.reshape(-1, num_slots),
+                                              out.valid.reshape(-1, num_slots)).cpu())
         accepted = torch.cat(accepted)
         anchor_taus.extend((1 + accepted).tolist())
         by_position = dict(zip(anchors.tolist(), accepted.tolist()))
