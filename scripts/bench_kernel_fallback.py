@@ -17,7 +17,8 @@ import torch
 
 from dflash_hf import modeling_dflash
 from dflash_hf.configuration_dflash import DFlashConfig, DSparkConfig
-from dflash_hf.modeling_dflash import DFlashContextCache, DFlashDraftModel, DFlashRMSNorm, DSparkDraftModel
+from dflash_hf.layers_dflash import DFlashContextCache, DFlashRMSNorm
+from dflash_hf.modeling_dflash import DFlashDraftModel, DSparkDraftModel
 
 SHIPPED = {name: getattr(modeling_dflash, name) for name in ("kernel_path_for", "context_kv_kernel",
                                                              "markov_walk_kernel")}

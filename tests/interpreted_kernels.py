@@ -18,7 +18,7 @@ from tiny import draft_fields, random_dflash, random_dflash2, random_dspark, tin
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, kernels_dflash
 from dflash_hf.kernels import KERNEL_SOURCE, reference_ops, write_hub_repo
-from dflash_hf.modeling_dflash import DFlashContextCache, DFlashRMSNorm
+from dflash_hf.layers_dflash import DFlashContextCache, DFlashRMSNorm
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 from process start: run tests/test_kernels.py", allow_module_level=True)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from tiny import random_dflash, random_dspark, tiny_target
 
-from dflash_hf import generation_dflash, kernels_dflash, modeling_dflash
+from dflash_hf import kernels_dflash, modeling_dflash
 from dflash_hf.kernels import KERNEL_SOURCE, write_hub_repo
 from dflash_hf.kernels import hub as kernel_hub
-from dflash_hf.modeling_dflash import DFlashRMSNorm
+from dflash_hf.layers_dflash import DFlashRMSNorm
 
 TESTS = Path(__file__).parent
 
@@ -158,5 +158,9 @@ def test_remote_code_file_stays_standalone():
     """transformers' check of a remote-code file sees no import of `kernels` or `dflash_hf` (they sit in try:)."""
     from transformers.dynamic_module_utils import get_imports
 
-    for module in (modeling_dflash, generation_dflash, kernels_dflash):
-        assert set(get_imports(module.__file__)) - set(sys.stdlib_module_names) <= {"torch", "transformers"}
+    from dflash_hf import DFLASH2_CODE_FILES, REMOTE_CODE_FILES
+
+    package = Path(modeling_dflash.__file__).parent
+    for name in REMOTE_CODE_FILES + DFLASH2_CODE_FILES:
+        imports = set(get_imports(package / name)) - set(sys.stdlib_module_names)
+        assert imports <= {"torch", "transformers"}, (name, imports)

@@ -84,9 +84,10 @@ def test_unknown_costs_are_measured_first():
 def test_the_confidence_head_cuts_the_block():
     """DSpark: after drafting, slots the head doubts are not worth their verify rows."""
     policy = LengthPolicy(costs({1: 100, 2: 120, 3: 140, 4: 160, 8: 240}), max_slots=7)
-    k, expected, seconds = policy.choose("draft", 7, [0.95, 0.9, 0.05, 0.05, 0.05, 0.05, 0.05], 0.02)
+    k, expected, seconds = policy.choose("draft", 7, [0.95, 0.9, 0.05, 0.05, 0.05, 0.05, 0.05])
     assert k == 2 and expected == pytest.approx(1 + 0.95 + 0.95 * 0.9)
-    assert seconds == pytest.approx(0.14 + 0.02)
+    assert seconds == pytest.approx(0.14)  # the draft is paid for: only the verify weighs
+    assert policy.choose("draft", 7, [0.1] * 7)[0] == 0  # a likely miss is not worth its rows
 
 
 def test_hopeless_drafting_still_probes_less_and_less_often():
@@ -114,7 +115,7 @@ def test_hopeless_drafting_still_probes_less_and_less_often():
 def test_fixed_policy_is_todays_behaviour():
     policy = LengthPolicy(costs({1: 100, 8: 1000}), max_slots=7, mode="fixed")
     assert policy.plan_draft("draft") == (7, False)
-    assert policy.choose("draft", 5, [0.01] * 5, 1.0) == (5, None, None)
+    assert policy.choose("draft", 5, [0.01] * 5) == (5, None, None)
     with pytest.raises(ValueError, match="dflash_policy"):
         LengthPolicy(MeasuredCosts(), max_slots=7, mode="fastest")
 
@@ -176,8 +177,8 @@ def test_any_length_choice_is_exact(data):
     def plan(self, source):
         return next(choices), False
 
-    def choose(self, source, available, confidence, draft_seconds):
-        _, expected, seconds = original_choose(self, source, available, confidence, draft_seconds)
+    def choose(self, source, available, confidence):
+        _, expected, seconds = original_choose(self, source, available, confidence)
         return min(next(choices), available), expected, seconds
 
     ids = torch.tensor([data.draw(st.lists(st.integers(0, 15), min_size=1, max_size=6), label="prompt")])
@@ -191,3 +192,16 @@ def test_any_length_choice_is_exact(data):
     assert out.tolist() == expected.tolist()
     steps = draft.generation_stats["policy"]
     assert all(len(p) == step["k"] for p, step in zip(draft.generation_stats["proposals"], steps))
+
+
+def test_looked_up_steps_do_not_restart_the_draft_probing():
+    """Prompt lookup proposing (and being accepted) says nothing about the draft: the draft's probes stay rare."""
+    policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {1: 20, 7: 20}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 0)
+    policy.costs.probe_interval = PROBE_INTERVAL_MAX
+    for _ in range(PROBE_INTERVAL_MAX - 1):
+        assert policy.plan_draft("draft") == (0, False)
+        policy.record("lookup", 6, 4, False, 0.15)
+    assert policy.costs.probe_interval == PROBE_INTERVAL_MAX
+    assert policy.plan_draft("draft")[1]  # the long interval ran out: now a probe

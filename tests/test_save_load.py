@@ -10,9 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel
 
-import dflash_hf
-from dflash_hf import (DFLASH2_CODE_FILES, REMOTE_CODE_FILES, DFlashConfig, DFlashContextCache, DSparkConfig,
-                       DSparkDraftModel)
+from dflash_hf import DFLASH2_CODE_FILES, REMOTE_CODE_FILES, DFlashConfig, DFlashContextCache, DSparkConfig
 from tiny import assert_same_logits, random_dflash, random_dflash2, random_dspark, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent

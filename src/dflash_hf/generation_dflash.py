@@ -314,7 +314,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if budget > 0:
             looked_up = self._lookup(input_ids, budget)
             if looked_up is not None:
-                k, expected, seconds = self.policy.choose("lookup", looked_up.shape[1], None, 0.0)
+                k, expected, seconds = self.policy.choose("lookup", looked_up.shape[1], None)
                 if k:
                     return self._propose(input_ids, looked_up[:, :k], None, now, "lookup", expected, seconds)
         slots, probe = self.policy.plan_draft("draft")
@@ -340,7 +340,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         confidence = None
         if proposal.confidence is not None and self.policy.adaptive:
             confidence = proposal.confidence[0].tolist()
-        k, expected, seconds = self.policy.choose("draft", proposal.draft_ids.shape[1], confidence, drafted)
+        k, expected, seconds = self.policy.choose("draft", proposal.draft_ids.shape[1], confidence)
         if probe:
             k = max(k, 1)
         draft_ids = proposal.draft_ids[:, :k].to(input_ids.device)

@@ -1,13 +1,13 @@
-"""DFlash and DSpark block drafters: building blocks, context cache, the draft models and the DSpark heads.
+"""DFlash and DSpark block drafters: the draft models, the DSpark heads, and the checks a loaded draft must pass.
 
 A Hub remote-code file: it imports only torch, transformers and its siblings (`configuration_dflash.py`,
-`kernels_dflash.py`, `generation_dflash.py`), so a draft saved by `save_pretrained` runs with
+`layers_dflash.py`, `kernels_dflash.py`, `generation_dflash.py`), so a draft saved by `save_pretrained` runs with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and `target.generate(assistant_model=draft)` where the
 `dflash_hf` package is not installed. Importing it installs the `generate` hook (see `generation_dflash.py`).
 
-Three facts live here once, for generation, training and the kernel references alike: `encode_context` (target
-states -> per-layer context K/V), `layer_attention_mask` (sliding windows over any block mask) and `markov_walk`
-(DSpark's left-to-right walk, sampled or teacher-forced).
+Two facts live here once, for generation, training and the kernel references alike: `encode_context` (target states
+-> per-layer context K/V) and `markov_walk` (DSpark's left-to-right walk, sampled or teacher-forced); the third,
+`layer_attention_mask`, lives with the layers.
 """
 
 import json
@@ -20,202 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .configuration_dflash import DFlashConfig, DSparkConfig
 from .generation_dflash import DFlashCandidateGenerator, install_generate_hook
 from .kernels_dflash import context_kv_kernel, kernel_path_for, markov_walk_kernel, path_label
+from .layers_dflash import (
+    DFlashAttention,
+    DFlashContextCache,
+    DFlashDecoderLayer,
+    DFlashRMSNorm,
+    DFlashRotaryEmbedding,
+    layer_attention_mask,
+)
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Building blocks (Qwen3-style)
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class DFlashRMSNorm(nn.Module):
-    _kernels = None  # the owning draft hands its norms a `KernelPath` while its Triton path is on
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None:
-            out = self._kernels("rms_norm", hidden_states, self.weight, self.variance_epsilon)
-            if out is not None:
-                return out
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in fp32, round back to the input dtype, then scale (the rounding points the kernel matches)."""
-    dtype = x.dtype
-    hidden = x.to(torch.float32)
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(dtype)
-
-
-class DFlashRotaryEmbedding(nn.Module):
-    """cos/sin tables at absolute positions; scaled RoPE types (YaRN, llama3, ...) come from transformers.
-
-    The inverse frequencies are computed on first use rather than held in a buffer: models are built on the meta
-    device when loaded, and a non-persistent buffer would then have to be re-created by version-specific hooks.
-    """
-
-    def __init__(self, config: DFlashConfig):
-        super().__init__()
-        self.config = config
-        self._tables: dict[torch.device, tuple[torch.Tensor, float]] = {}
-
-    def _inverse_frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
-        if device not in self._tables:
-            rope_type = self.config.rope_parameters["rope_type"]
-            if rope_type == "default":
-                dim, theta = self.config.head_dim, self.config.rope_parameters["rope_theta"]
-                inv_freq, scaling = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
-            else:
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, torch.device("cpu"))
-            self._tables[device] = (inv_freq.to(device), scaling)
-        return self._tables[device]
-
-    @torch.no_grad()
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scaling = self._inverse_frequencies(position_ids.device)
-        freqs = position_ids[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
-
-
-class DFlashMLP(nn.Module):
-    def __init__(self, config: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DFlashAttention(nn.Module):
-    """Block queries attend to the cached context K/V and, bidirectionally, to the whole block."""
-
-    def __init__(self, config: DFlashConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
-        self.causal = self.sliding_window is not None and config.sliding_window_causal
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `x` [B, T, H] at the positions of cos/sin -> two [B, KVH, T, D] tensors."""
-        shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        block_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """x: normed block states [B, b, H]; context_kv: all context K/V; mask: bool [B|1, 1, b, C+b] or None;
-        block_kv: the block's own K/V when the caller already projected them."""
-        batch, length = x.shape[:2]
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        block_k, block_v = block_kv if block_kv is not None else self.project_kv(x, cos, sin)
-        k = torch.cat([context_kv[0], block_k], dim=2)
-        v = torch.cat([context_kv[1], block_v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-
-class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: DFlashConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx)
-        self.mlp = DFlashMLP(config)
-        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the attention reads of the block's residual stream (its queries and the block's own K/V)."""
-        return self.input_layernorm(x)
-
-    def forward(self, x, cos, sin, context_kv, attention_mask, block_kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Context cache
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class DFlashContextCache:
-    """Per-layer K/V of the *context* (verified) tokens only; block entries are never stored.
-
-    Context K/V depend only on the projected target states, so a token's entries are computed once, when it
-    is accepted, and never need rolling back.
-    """
-
-    keeps_context_only = True
-
-    def __init__(self):
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    def get_seq_length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx < len(self.keys):
-            return self.keys[layer_idx], self.values[layer_idx]
-        empty = like.new_zeros(like.shape[0], 0, 0, 0)
-        return empty, empty
-
-    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx < len(self.keys):
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k], dim=2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=2)
-        else:
-            self.keys.append(k)
-            self.values.append(v)
-        return self.keys[layer_idx], self.values[layer_idx]
 
 
 @dataclass
@@ -231,19 +50,6 @@ class DraftProposal:
     draft_ids: torch.Tensor  # [B, n]
     draft_logits: torch.Tensor | None  # [B, n, vocab_size] (target vocabulary), None when not needed
     confidence: torch.Tensor | None = None  # [B, n_computed]
-
-
-def layer_attention_mask(attn: "DFlashAttention", mask, query_pos: torch.Tensor, key_pos: torch.Tensor):
-    """`mask` (bool [B, 1, Q, K], or None for "all visible") narrowed to the layer's sliding window: keys within
-    `sliding_window` positions of the query, and none after it when the layer is causal. Inference (one block after
-    its context) and training (many blocks in one pass) build their per-layer masks through here."""
-    if attn.sliding_window is None:
-        return mask
-    distance = query_pos[:, :, None] - key_pos[:, None, :]
-    window = distance.abs() < attn.sliding_window
-    if attn.causal:
-        window &= distance >= 0
-    return window[:, None] if mask is None else mask & window[:, None]
 
 
 def markov_walk(
@@ -813,6 +619,5 @@ __all__ = [
     "DraftProposal",
     "check_finite_weights",
     "check_vocab_mapping",
-    "layer_attention_mask",
     "markov_walk",
 ]

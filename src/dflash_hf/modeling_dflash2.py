@@ -23,7 +23,8 @@ from torch import nn
 
 from .configuration_dflash2 import DFlash2Config
 from .kernels_dflash import selector_walk_kernel
-from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel, DraftProposal
+from .layers_dflash import DFlashDecoderLayer
+from .modeling_dflash import DFlashDraftModel, DraftProposal
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Grouped dynamic causal convolution

@@ -20,7 +20,10 @@ COST_SAMPLES = 8
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
 ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
-# Steps without any proposal before a forced probe; doubled after each probe (across calls), up to the maximum, and
+# A proposal must promise this much more (tokens per second) than a plain decode step: estimates of acceptance and
+# cost are noisy, and a wrong guess for speculation costs more than a missed chance.
+SPECULATION_MARGIN = 0.05
+# Steps without a drafted proposal before a forced probe; doubled after each probe (across calls), up to the maximum, and
 # back to the start once the policy drafts of its own accord. At the maximum a hopeless draft costs about 1% of a
 # CPU's decode time in probes.
 PROBE_INTERVAL, PROBE_INTERVAL_MAX = 8, 128
@@ -161,6 +164,8 @@ class LengthPolicy:
             rate = self._rate(expected[k], seconds)
             if rate is None:
                 return len(rates), expected[-1], None
+            if k and allow_zero:
+                rate /= 1 + SPECULATION_MARGIN
             if best is None or rate > best[0]:
                 best = (rate, k, expected[k], seconds)
         return best[1], best[2], best[3]
@@ -180,14 +185,15 @@ class LengthPolicy:
                 return k, True
             return k, False
 
-    def choose(self, source: str, available: int, confidence: list[float] | None, draft_seconds: float) -> tuple:
-        """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds).
-        `confidence`: the draft's own per-slot acceptance predictions (DSpark), else the running rates."""
+    def choose(self, source: str, available: int, confidence: list[float] | None) -> tuple:
+        """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds of
+        the verify). The drafting is paid for by now, so only the verify's cost weighs. `confidence`: the draft's own
+        per-slot acceptance predictions (DSpark), else the running rates."""
         if not self.adaptive:
             return available, None, None
         with self.costs.lock:
             rates = list(confidence[:available]) if confidence else self.costs.rates(source).rates(available)
-            return self.best(rates, lambda k: draft_seconds, allow_zero=True)
+            return self.best(rates, lambda k: 0.0, allow_zero=True)
 
     def observe_draft(self, source: str, slots: int, seconds: float) -> None:
         with self.costs.lock:
@@ -202,11 +208,11 @@ class LengthPolicy:
                 self.costs.rates(source).observe(proposed, accepted)
             if not self.adaptive:  # a fixed-length call teaches costs and acceptance, not the probing schedule
                 return
-            if proposed:
+            if source == "draft" and proposed:
                 self.costs.idle_steps = 0
                 if probe:
                     self.costs.probe_interval = min(2 * self.costs.probe_interval, PROBE_INTERVAL_MAX)
                 else:
                     self.costs.probe_interval = PROBE_INTERVAL
-            else:
+            else:  # a decode step, or a looked-up proposal: nothing learnt about the draft
                 self.costs.idle_steps += 1

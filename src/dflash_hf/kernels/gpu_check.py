@@ -281,7 +281,8 @@ def end_to_end(device, source: str) -> bool:
     from ..configuration_dflash import DFlashConfig, DSparkConfig
     from ..configuration_dflash2 import DFlash2Config
     from ..kernels_dflash import KERNELS_REPO_ID
-    from ..modeling_dflash import DFlashContextCache, DFlashDraftModel, DSparkDraftModel
+    from ..layers_dflash import DFlashContextCache
+    from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel
     from ..modeling_dflash2 import DFlash2DraftModel
     from . import shipped_kernel_repo
 

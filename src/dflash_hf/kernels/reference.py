@@ -10,7 +10,8 @@ part of the Hub kernel package, which may import nothing but torch and triton.
 import torch
 import torch.nn.functional as F
 
-from ..modeling_dflash import apply_rope, markov_walk as model_markov_walk, rms_norm
+from ..layers_dflash import apply_rope, rms_norm
+from ..modeling_dflash import markov_walk as model_markov_walk
 from ..modeling_dflash2 import selector_walk as model_selector_walk
 
 

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from ..configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
 from ..configuration_dflash2 import DFlash2Config
-from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, layer_attention_mask, markov_walk
+from ..layers_dflash import layer_attention_mask
+from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk
 from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
 from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids

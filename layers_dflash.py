@@ -1,0 +1,1 @@
+src/dflash_hf/layers_dflash.py
