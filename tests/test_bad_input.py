@@ -182,17 +182,17 @@ def test_item3_nonfinite_weights_are_named(folders, tmp_path, name, load, bad):
 CONVERT_UNTIL_KILLED = textwrap.dedent(
     """
     import sys, time
-    from dflash_hf import formats
+    from dflash_hf.formats import export
     from dflash_hf.cli import main
 
-    write = formats._write_checkpoint
+    write = export._write_checkpoint
 
     def write_and_wait(*args):
         write(*args)
         print("written", flush=True)
         time.sleep(300)
 
-    formats._write_checkpoint = write_and_wait
+    export._write_checkpoint = write_and_wait
     main(["convert", sys.argv[1], sys.argv[2], "--to", "zlab"])
     """
 )

@@ -274,7 +274,7 @@ def test_a_path_that_differs_fails_loudly(tiny_pair, monkeypatch, capsys):
         paths, skipped, extra = original(target, *args, **kwargs)
         return paths + [_broken_path(target)], skipped, extra
 
-    monkeypatch.setattr(bench, "build_paths", with_broken)
+    monkeypatch.setattr("dflash_hf.bench.cli.build_paths", with_broken)  # where `dflash-hf bench` looks it up
     assert cli.main(_bench_args(tiny_pair, "--warmup-tokens", "0")) == 1
     err = capsys.readouterr().err
     assert "broken_on_purpose" in err and "not lossless" in err and "sample '0'" in err
