@@ -205,3 +205,15 @@ def test_looked_up_steps_do_not_restart_the_draft_probing():
         policy.record("lookup", 6, 4, False, 0.15)
     assert policy.costs.probe_interval == PROBE_INTERVAL_MAX
     assert policy.plan_draft("draft")[1]  # the long interval ran out: now a probe
+
+
+def test_a_written_off_source_is_tried_again():
+    """Prompt lookup that failed on prose is passed over, but not forever: its learnt rates fade toward the prior."""
+    policy = LengthPolicy(costs({1: 100, 2: 120, 4: 150, 17: 300}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("lookup").observe(16, 0)
+    passed_over = 0
+    while policy.choose("lookup", 16, None)[0] == 0:
+        passed_over += 1
+        assert passed_over < 200, "never tried again"
+    assert passed_over > 10  # but not at once

@@ -84,6 +84,12 @@ class AcceptanceRates:
             self.tries[j] += 1.0
             self.accepts[j] += 1.0 if j < accepted else 0.0
 
+    def forget(self) -> None:
+        """A step where this source had candidates but the policy passed them over: what it learnt fades toward the
+        prior, so a source written off early (prompt lookup on prose, say) is tried again when the text changes."""
+        self.tries = [t * ACCEPT_DECAY for t in self.tries]
+        self.accepts = [a * ACCEPT_DECAY for a in self.accepts]
+
     def rates(self, count: int) -> list[float]:
         out = []
         for j in range(count):
@@ -193,7 +199,10 @@ class LengthPolicy:
             return available, None, None
         with self.costs.lock:
             rates = list(confidence[:available]) if confidence else self.costs.rates(source).rates(available)
-            return self.best(rates, lambda k: 0.0, allow_zero=True)
+            choice = self.best(rates, lambda k: 0.0, allow_zero=True)
+            if not choice[0] and not confidence:
+                self.costs.rates(source).forget()
+            return choice
 
     def observe_draft(self, source: str, slots: int, seconds: float) -> None:
         with self.costs.lock:
