@@ -434,7 +434,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 ids, logits, confidence = walked
                 return DraftProposal(ids, None if logits is None else self.to_target_logits(logits), confidence)
         elif not (logits_processor or do_sample):  # every slot at once
-            return DraftProposal(self.to_target_ids(base.argmax(-1)), self.to_target_logits(base) if need_logits else None)
+            logits = self.to_target_logits(base) if need_logits else None
+            return DraftProposal(self.to_target_ids(base.argmax(-1)), logits)
         choose = self._slot_chooser(prefix_ids, logits_processor, do_sample, need_logits)
         ids, logits, confidence = markov_walk(
             base, hidden, anchor_ids, self.markov_head, self.confidence_head,

@@ -23,9 +23,9 @@ ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
 # A proposal must promise this much more (tokens per second) than a plain decode step: estimates of acceptance and
 # cost are noisy, and a wrong guess for speculation costs more than a missed chance.
 SPECULATION_MARGIN = 0.05
-# Steps without a drafted proposal before a forced probe; doubled after each probe (across calls), up to the maximum, and
-# back to the start once the policy drafts of its own accord. At the maximum a hopeless draft costs about 1% of a
-# CPU's decode time in probes.
+# Steps without a drafted proposal before a forced probe; doubled after each probe (across calls), up to the
+# maximum, and back to the start once the policy drafts of its own accord. At the maximum a hopeless draft costs about
+# 1% of a CPU's decode time in probes.
 PROBE_INTERVAL, PROBE_INTERVAL_MAX = 8, 128
 POLICIES = ("auto", "fixed")
 
