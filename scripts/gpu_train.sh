@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M preset scaled to one CUDA GPU: every stdlib code task and 1500 self-written questions, answers of
 # up to 256 tokens, 16 sequences a step in bf16 mixed precision. With the default numbers it remakes the shipped DSpark
-# draft (on an H200: about a minute of data, then 1700 steps in about 3 minutes).
-#   scripts/gpu_train.sh OUT_DIR [dspark|dflash ...]        (default: dspark)
+# draft (on an H200: about a minute of data, then 1700 steps in about 3 minutes); dflash2 trains the DFlash 2 draft on
+# the same data and steps.
+#   scripts/gpu_train.sh OUT_DIR [dspark|dflash|dflash2 ...]        (default: dspark)
 # Writes OUT_DIR/smollm2-135m-<kind> (draft, card, summary) and OUT_DIR/work (data, features, checkpoints, metrics;
 # shared by the kinds). MINUTES=N holds each training loop to N minutes instead of the fixed step count.
 # SIZE=tiny shrinks everything, for a dry run of this script on a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/gpu_train.sh OUT_DIR [dspark|dflash ...]}
+OUT=${1:?usage: scripts/gpu_train.sh OUT_DIR [dspark|dflash|dflash2 ...]}
 shift
 KINDS=("${@:-dspark}")
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -25,9 +26,9 @@ fi
 [ -z "${MINUTES:-}" ] || steps+=(--max-steps 100000 --max-minutes "$MINUTES")
 for kind in "${KINDS[@]}"; do
   case "$kind" in
-    dspark) anchors=64 ;;
+    dspark | dflash2) anchors=64 ;;
     dflash) anchors=32 ;;
-    *) echo "gpu_train: unknown kind '$kind' (dspark or dflash)" >&2; exit 2 ;;
+    *) echo "gpu_train: unknown kind '$kind' (dspark, dflash or dflash2)" >&2; exit 2 ;;
   esac
   "$PYTHON" -m dflash_hf.cli train --preset smollm2-135m --kind "$kind" --dtype bfloat16 \
     --out "$OUT/smollm2-135m-$kind" --work-dir "$OUT/work" "${data[@]}" "${steps[@]}" --anchors-per-sequence "$anchors"
