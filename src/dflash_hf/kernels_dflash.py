@@ -16,7 +16,7 @@ KERNELS_REPO_ID = "dflash-hf/dflash-kernels"
 KERNELS_VERSION = 1  # Hub branch `v1` = the kernel package's API_VERSION
 KERNELS_ENV = "DFLASH_KERNELS"
 _KERNEL_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
-_KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "verify_greedy", "verify_rejection", "selector_walk")
+_KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "selector_walk")
 # Ops `auto` leaves to torch because their kernel measured slower than torch on a GPU (`scripts/gpu_check.sh` on an
 # H200, docs/gpu_check_h200.txt): the walk runs one program per row, 5-25x slower than torch's per-slot launches at
 # Kimi/Qwen sizes. `on` still runs them (that is how they are tested).

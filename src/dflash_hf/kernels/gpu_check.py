@@ -23,8 +23,6 @@ FULL = {
     "rms_norm": [(512, 7168, BF16), (8, 4096, BF16), (512, 4096, FP32)],
     "context_kv": [(6, 1, 16, 7168, 8, 128, BF16), (6, 1, 512, 7168, 8, 128, BF16), (1, 1, 16, 4096, 8, 128, BF16),
                    (2, 2, 64, 1024, 4, 128, FP32)],
-    "verify_greedy": [(1, 7, 163840, BF16), (1, 15, 163840, FP32), (4, 7, 151936, BF16)],
-    "verify_rejection": [(1, 7, 163840), (4, 15, 151936)],
     "markov_walk": [(1, 8, 163840, 32000, 256, 7168, BF16, False), (1, 8, 163840, 32000, 256, 7168, BF16, True),
                     (4, 16, 151936, 151936, 64, 4096, FP32, False)],
     # batch, slots, vocabulary, rank, top-K, dtype, sampled
@@ -34,8 +32,6 @@ FULL = {
 TINY = {
     "rms_norm": [(3, 70, FP32)],
     "context_kv": [(2, 2, 5, 40, 2, 16, FP32)],
-    "verify_greedy": [(2, 7, 3001, FP32)],
-    "verify_rejection": [(2, 7, 3001)],
     "markov_walk": [(2, 8, 3001, 700, 8, 48, FP32, False), (2, 8, 3001, 700, 8, 48, FP32, True)],
     "selector_walk": [(2, 7, 3001, 16, 8, FP32, False), (2, 7, 3001, 16, 8, FP32, True)],
 }
@@ -102,9 +98,6 @@ def cases(ops, ref, device, shapes):
             return ok, max_error(got, want)
         return check
 
-    def exact(got, want):
-        return all(torch.equal(a, b) for a, b in zip(got, want)), max_error(got, want)
-
     for rows, width, dtype in shapes["rms_norm"]:
         x, w = randn(rows, width, dtype=dtype, scale=3.0), randn(width, dtype=dtype)
         check = tol(2e-2, 2e-2) if dtype == torch.bfloat16 else tol(1e-5, 1e-5)
@@ -123,38 +116,6 @@ def cases(ops, ref, device, shapes):
         check = tol(5e-2, 5e-2) if dtype == torch.bfloat16 else tol(1e-4, 1e-4)
         yield ("context_kv", f"L{layers} B{batch} C{length} H{hidden} {kv_heads}x{head_dim}", dtype,
                lambda args=args: ops.context_kv(*args), lambda args=args: ref.context_kv(*args), check)
-
-    for batch, num, vocab, dtype in shapes["verify_greedy"]:
-        logits = randn(batch, num + 1, vocab, dtype=dtype, scale=4.0)
-        proposals = logits.argmax(-1)[:, :num].clone()
-        proposals[:, num // 2] = (proposals[:, num // 2] + 1) % vocab
-        yield ("verify_greedy", f"B{batch} n{num} V{vocab}", dtype,
-               lambda a=logits, b=proposals: ops.verify_greedy(a, b),
-               lambda a=logits, b=proposals: ref.verify_greedy(a, b), exact)
-
-    for batch, num, vocab in shapes["verify_rejection"]:
-        p = torch.softmax(randn(batch, num + 1, vocab, scale=3.0), -1)
-        q = torch.softmax(randn(batch, num, vocab, scale=3.0), -1)
-        proposals = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).view(batch, num)
-        ua = torch.rand(batch, num, generator=g, device=device) * 0.05
-        us = torch.rand(batch, generator=g, device=device)
-
-        def draw_check(got, want, p=p, q=q, us=us):
-            if not torch.equal(got[0], want[0]):
-                return False, float("inf")
-            ties = 0
-            for row in (got[1] != want[1]).nonzero()[:, 0].tolist():
-                m = int(want[0][row])
-                residual = (p[row, m] - (q[row, m] if m < q.shape[1] else 0)).clamp_min(0)
-                weights = residual if float(residual.sum()) > 0 else p[row, m]
-                if not boundary_tie(weights, float(us[row]), int(got[1][row]), int(want[1][row])):
-                    return False, float("inf")
-                ties += 1
-            return True, float(ties)
-
-        args = (p, q, proposals, ua, us)
-        yield ("verify_rejection", f"B{batch} n{num} V{vocab}", torch.float32,
-               lambda args=args: ops.verify_rejection(*args), lambda args=args: ref.verify_rejection(*args), draw_check)
 
     for batch, num, vocab, draft_vocab, rank, hidden, dtype, sampled in shapes["markov_walk"]:
         kept = torch.sort(torch.randperm(vocab, generator=g, device=device)[:draft_vocab]).values

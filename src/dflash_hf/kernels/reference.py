@@ -44,21 +44,6 @@ def context_kv(
     return torch.stack(keys), torch.stack(values)
 
 
-def verify_greedy(logits: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verification of one block per row.
-
-    logits: [B, n+1, V] target logits at the anchor and each proposal; proposals: [B, n].
-    Returns accepted [B] (length of the agreeing prefix), next_token [B] (the target's token after it: the bonus)
-    and target_ids [B, n+1] (the target's argmax everywhere; emitted tokens are target_ids[:, :accepted+1]).
-    """
-    target_ids = logits.argmax(-1)
-    num = proposals.shape[1]
-    agree = target_ids[:, :num] == proposals
-    accepted = agree.long().cumprod(-1).sum(-1)
-    next_token = target_ids.gather(1, accepted[:, None])[:, 0]
-    return accepted, next_token, target_ids
-
-
 def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index drawn from unnormalised `weights` [B, V] (>= 0) with one uniform in [0, 1) per row.
 
@@ -70,40 +55,6 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(weights.shape[-1], device=weights.device)
     last = torch.where(weights > 0, positions, -1).amax(-1).clamp_min(0)
     return torch.where(index >= weights.shape[-1], last, index)
-
-
-def verify_rejection(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    proposals: torch.Tensor,
-    accept_uniforms: torch.Tensor,
-    sample_uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling (Leviathan et al.): keeps the target's distribution exactly.
-
-    target_probs: [B, n+1, V] p; draft_probs: [B, n, V] q (target vocabulary); proposals: [B, n];
-    accept_uniforms: [B, n]; sample_uniforms: [B].
-    Proposal i is accepted when u_i * q_i < p_i (probability min(1, p/q)). At the first rejection m the next token
-    is drawn from norm(max(p_m - q_m, 0)) (from p_m when that residual has no mass); when all are accepted, from
-    p_n (the bonus). Returns accepted [B] and next_token [B].
-    """
-    batch, num = proposals.shape
-    p = target_probs.float()
-    q = draft_probs.float()
-    index = proposals[..., None]
-    p_tok = p[:, :num].gather(-1, index)[..., 0]
-    q_tok = q.gather(-1, index)[..., 0]
-    accept = accept_uniforms.float() * q_tok < p_tok
-    accepted = accept.long().cumprod(-1).sum(-1)
-    rows = torch.arange(batch, device=p.device)
-    p_row = p[rows, accepted]
-    if num:
-        q_row = torch.where((accepted < num)[:, None], q[rows, accepted.clamp(max=num - 1)], 0.0)
-    else:
-        q_row = torch.zeros_like(p_row)
-    residual = (p_row - q_row).clamp_min(0.0)
-    weights = torch.where((residual.sum(-1) <= 0)[:, None], p_row, residual)
-    return accepted, inverse_cdf(weights, sample_uniforms)
 
 
 def markov_walk(

@@ -8,7 +8,7 @@ import hashlib
 
 import torch
 
-from . import _context_kv, _markov, _rmsnorm, _selector, _verify
+from . import _context_kv, _markov, _rmsnorm, _selector
 
 NAMESPACE = "dflash_kernels_" + hashlib.sha1(f"{__name__}:{__file__}".encode()).hexdigest()[:12]
 
@@ -53,37 +53,6 @@ def _(x, k_weight, v_weight, k_bias, v_bias, norm_weight, cos, sin, eps):
     shape = (layers, x.shape[0], width // head_dim, x.shape[1], head_dim)
     k_dtype = torch.promote_types(torch.promote_types(x.dtype, norm_weight.dtype), cos.dtype)
     return x.new_empty(shape, dtype=k_dtype), x.new_empty(shape)
-
-
-@_op("verify_greedy")
-def verify_greedy(logits: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(accepted [B], next_token [B], target_ids [B, n+1]) from target logits [B, n+1, V] and proposals [B, n]."""
-    return _verify.verify_greedy(logits, proposals)
-
-
-@verify_greedy.register_fake
-def _(logits, proposals):
-    batch, positions = logits.shape[:2]
-    ids = logits.new_empty((batch, positions), dtype=torch.long)
-    return ids.new_empty(batch), ids.new_empty(batch), ids
-
-
-@_op("verify_rejection")
-def verify_rejection(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    proposals: torch.Tensor,
-    accept_uniforms: torch.Tensor,
-    sample_uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted [B], next_token [B]) by rejection sampling with the given uniforms (see `reference`)."""
-    return _verify.verify_rejection(target_probs, draft_probs, proposals, accept_uniforms, sample_uniforms)
-
-
-@verify_rejection.register_fake
-def _(target_probs, draft_probs, proposals, accept_uniforms, sample_uniforms):
-    out = proposals.new_empty(proposals.shape[0], dtype=torch.long)
-    return out, out.new_empty(out.shape)
 
 
 @_op("markov_walk")
