@@ -107,8 +107,8 @@ def cases(ops, ref, device, shapes):
     for layers, batch, length, hidden, kv_heads, head_dim, dtype in shapes["context_kv"]:
         width = kv_heads * head_dim
         x = randn(batch, length, hidden, dtype=dtype)
-        wk, wv = randn(layers, width, hidden, dtype=dtype, scale=hidden**-0.5), randn(layers, width, hidden, dtype=dtype,
-                                                                                      scale=hidden**-0.5)
+        wk = randn(layers, width, hidden, dtype=dtype, scale=hidden**-0.5)
+        wv = randn(layers, width, hidden, dtype=dtype, scale=hidden**-0.5)
         nw = randn(layers, head_dim, dtype=dtype)
         angles = torch.rand(batch, length, head_dim // 2, generator=g, device=device) * 6.0
         cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
@@ -194,7 +194,8 @@ def main(argv=None) -> int:
                         help="the shipped kernel source (default) or the published Hub repo")
     parser.add_argument("--runs", type=int, default=RUNS, help="timed runs per op (median reported)")
     parser.add_argument("--tiny", action="store_true",
-                        help="tiny shapes on the CPU under TRITON_INTERPRET=1: a dry run of this script, no timings worth reading")
+                        help="tiny shapes on the CPU under TRITON_INTERPRET=1: a dry run of this script, no timings "
+                             "worth reading")
     args = parser.parse_args(argv)
     if args.tiny:
         if os.environ.get("TRITON_INTERPRET") != "1":

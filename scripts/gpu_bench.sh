@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every speculative loop end to end on a Qwen3-8B-shaped target (scripts/gpu_bench.py): per verify step the target's
+# forward, the draft and the loop's own overhead, and the speed-up over plain generate at forced acceptance lengths.
+# Prints one table; writes gpu_bench_<size>.json and .txt to OUT_DIR. Exit status 1 when a loop is not lossless.
+#   scripts/gpu_bench.sh [OUT_DIR]             on a CUDA GPU; about 3 minutes on an H200 (stopped at 8)
+#   SIZE=tiny scripts/gpu_bench.sh [OUT_DIR]   a toy pair in float32 on the CPU, in seconds (the suite runs this)
+#   scripts/gpu_bench.sh --wheels              here, before a lent-GPU run: the wheels its image lacks, into .whl/
+# OUT_DIR defaults to $OUT (the lent machine's result folder), else out/gpu_bench. On the lent machine, carry .whl:
+# its wheels (transformers 5.24, kernels 0.17, z-lab's dflash 0.1.0) are installed into /tmp/dflash-site first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(transformers==5.24.0 kernels==0.17.2 dflash==0.1.0)
+
+if [ "${1:-}" = --wheels ]; then
+  grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  exec "${PYTHON:-.venv/bin/python}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+fi
+
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+if compgen -G ".whl/*.whl" > /dev/null && [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dflash-site \
+    .whl/*.whl
+  export PYTHONPATH="/tmp/dflash-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT_DIR="${1:-${OUT:-out/gpu_bench}}"
+exec timeout 480 "$PYTHON" scripts/gpu_bench.py --size "${SIZE:-full}" --out "$OUT_DIR"
