@@ -10,11 +10,13 @@ import logging
 import shlex
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from .corpus_shards import load_corpus_records
 from .data import DataConfig, build_dataset, eos_ids
 from .features import OnlineFeatures, ShardedFeatures, cache_features
 from .trainer import DraftSpec, TrainConfig, balance_fc_init, build_draft, draft_config_for, heldout_tau, train_loop
@@ -93,11 +95,12 @@ def hardware(device: torch.device) -> str:
 
 def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spec: DraftSpec, train: TrainConfig,
                 work_dir: Path, online_features: bool = False, save_dtype: torch.dtype = torch.bfloat16,
-                command: str | None = None, target=None, tokenizer=None) -> dict:
+                command: str | None = None, target=None, tokenizer=None, corpus: Path | None = None) -> dict:
     """Run the whole pipeline for one draft and save it with `save_pretrained` (plus a model card) into `out`.
 
     `target`/`tokenizer` may be passed in to skip loading; `work_dir` holds the data, the feature cache (shared by
-    every draft reading the same layers) and the checkpoints of this draft.
+    every draft reading the same layers) and the checkpoints of this draft. `corpus`: train on the answer shards of
+    that folder (`dflash-hf corpus`) instead of generating data; their features are computed here.
     """
     started = time.time()
     work_dir = Path(work_dir)
@@ -105,14 +108,22 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         target, tokenizer = load_target(target_name)
     layer_ids = draft_config_for(target, spec).target_layer_ids
     # Features come from the generation pass itself unless they must be recomputed online (big targets).
-    records = build_dataset(target, tokenizer, data, work_dir / "data", None if online_features else layer_ids)
+    if corpus is not None:
+        records = load_corpus_records(corpus, tokenizer, data.heldout_fraction)
+        if not records:
+            raise ValueError(f"No answer shards in {corpus}/shards: run `dflash-hf corpus --out {corpus}` first.")
+    else:
+        records = build_dataset(target, tokenizer, data, work_dir / "data", None if online_features else layer_ids)
     captured = all(r.get("features", {}).get("layer_ids") == list(layer_ids) for r in records)
+    cache_name = "features-" + "-".join(map(str, layer_ids))
+    if corpus is not None:  # the corpus grows between sessions: one cache per exact record list
+        cache_name += f"-corpus-{len(records)}-{zlib.crc32(' '.join(r['id'] for r in records).encode()):08x}"
     if online_features:
         store = OnlineFeatures(target, records, layer_ids)
     elif captured:
         store = ShardedFeatures(records, work_dir / "data" / "features")
     else:
-        store = cache_features(target, records, layer_ids, work_dir / ("features-" + "-".join(map(str, layer_ids))))
+        store = cache_features(target, records, layer_ids, work_dir / cache_name)
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
     mapping, vocab_coverage = None, None
     if spec.kind == "dspark" and spec.draft_vocab_size and spec.draft_vocab_size < vocab_size:
@@ -126,13 +137,14 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         balance_fc_init(draft, store)
     last = train_loop(draft, store, train, work_dir / f"run-{kind}")
     heldout = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
-    code_prompts = sum(r["source"].startswith("stdlib-docstring") for r in records)
+    code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
     logger.info("Held-out tau (teacher-forced, greedy): %s", heldout)
     summary = {
         "kind": kind,
         "target": target_name,
         "target_dtype": str(target.dtype).removeprefix("torch."),
         "command": command,
+        "corpus": str(corpus) if corpus is not None else None,
         "prompts": {"code": code_prompts, "topic": len(records) - code_prompts},
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
@@ -182,6 +194,17 @@ def model_card(summary: dict, evaluation: str = "") -> str:
                  f"{spec['conv_group_size']} channels) around each sublayer; a rank-{spec['selector_rank']} selector "
                  f"walks each slot's top {spec['selector_top_k']} candidates (selector loss weight "
                  f"{train.get('selector_weight', 1.0)}).")
+    data_line = f"""- Data, all made offline by the target itself: {prompts['code']} code tasks built from Python
+  standard-library docstrings (functions and class methods, asked for from a description or as a stub to complete)
+  and {prompts['topic']} questions the target wrote from seed topics, answered by the target
+  ({summary.get('target_dtype', 'float32')}) with its chat template (greedy, up to {data['max_new_tokens']} new
+  tokens). No MT-Bench or HumanEval prompt was used."""
+    if summary.get("corpus"):
+        data_line = f"""- Data: the self-distilled corpus `{summary['corpus']}` (`dflash-hf corpus`; its README says what
+  went in): {prompts['code']} answers to prompts mined from installed Python packages' docstrings, code and comments
+  and {prompts['topic']} to topic templates, the target's own questions and follow-ups, rewrites and summaries of
+  earlier answers, all answered by the target with its chat template (mostly greedy, some sampled). No MT-Bench or
+  HumanEval prompt was used (a test checks for overlap)."""
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, {kind}, dflash-hf]
@@ -196,11 +219,7 @@ from {vocab}.{heads}
 ```
 {summary['command'] or '(Python API)'}
 ```
-- Data, all made offline by the target itself: {prompts['code']} code tasks built from Python
-  standard-library docstrings (functions and class methods, asked for from a description or as a stub to complete)
-  and {prompts['topic']} questions the target wrote from seed topics, answered by the target
-  ({summary.get('target_dtype', 'float32')}) with its chat template (greedy, up to {data['max_new_tokens']} new
-  tokens). No MT-Bench or HumanEval prompt was used.
+{data_line}
 - {summary['train_sequences']} training sequences ({summary['train_tokens_assistant']} assistant tokens),
   {summary['heldout_sequences']} held out.
 - {summary.get('steps_run') or train['max_steps']} steps of {train['sequences_per_step']} sequences x \
@@ -264,6 +283,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help=f"data, features and checkpoints (default {DEFAULT_WORK_ROOT}/<preset>)")
     parser.add_argument("--online-features", action="store_true", help="recompute target states instead of caching")
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="train on the answer shards of this folder (e.g. data/smollm2-135m, made by `dflash-hf "
+                             "corpus`) instead of generating data")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 where fast), float32, ...")
     parser.add_argument("--device", default=None, help="where the target answers and the draft trains (default: "
@@ -333,6 +355,7 @@ def run(args) -> int:
             args.preset, kind, out, work_dir=args.work_dir, command=command, data_overrides=picked(_DATA_FLAGS),
             spec_overrides=picked(_SPEC_FLAGS), train_overrides=picked(_TRAIN_FLAGS),
             online_features=args.online_features, target=target, tokenizer=tokenizer, target_name=target_name,
+            corpus=args.corpus,
         )
         heldout = summary["heldout"]
         print(f"{kind}: held-out tau {heldout['tau_decode']:.2f} (decode walk), {heldout['tau_anchors']:.2f} "

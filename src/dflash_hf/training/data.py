@@ -188,8 +188,10 @@ def clean_written_prompt(text: str, min_chars: int) -> str | None:
     return prompt if len(prompt) >= min_chars else None
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    messages = [{"role": "user", "content": prompt}]
+def chat_ids(tokenizer, prompt: "str | list[dict]") -> list[int]:
+    """The chat-templated ids of one user prompt, or of a whole conversation (a list of messages) ending with the
+    user's turn; either way ready for the assistant's answer."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     return list(ids)
 
@@ -213,10 +215,10 @@ def eos_ids(tokenizer, target) -> set[int]:
 
 
 @torch.no_grad()
-def batched_chat_generate(target, tokenizer, prompts: list[str], max_new_tokens: int, capture_layers=None,
+def batched_chat_generate(target, tokenizer, prompts: list, max_new_tokens: int, capture_layers=None,
                           **generate_kwargs):
-    """[(prompt ids, response ids up to and including EOS, features or None)] per prompt, decoded as one left-padded
-    batch.
+    """[(prompt ids, response ids up to and including EOS, features or None)] per prompt (a string, or a conversation
+    as a list of messages), decoded as one left-padded batch.
 
     With `capture_layers`, the states the draft trains on are taken from this same pass (a second forward over the
     data would cost as much again): per token the concatenated `hidden_states[t + 1]`, and for answer positions the

