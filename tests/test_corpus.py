@@ -10,6 +10,7 @@ import torch
 from tiny import tiny_target
 from tiny_pair import VOCAB_SIZE, char_tokenizer
 
+from dflash_hf.cli import main
 from dflash_hf.training import corpus
 from dflash_hf.training import corpus_shards as shards
 from dflash_hf.training.trainer import DraftSpec, TrainConfig
@@ -213,14 +214,14 @@ def test_generation_resumes_skipping_existing_shards(tiny_pair, tmp_path):
     mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(6)]
     config = shards.GenerationConfig(max_new_tokens=4, batch_size=4, sample_every=3)
 
-    def run(directory):
+    def run(directory, worker=(0, 1)):
         built = prefilled_corpus(directory, {"topics": topics, "mined": mined})
         return shards.generate_corpus(target, tokenizer, directory, config, written_prompts=0,
-                                      parts=("mined", "topics"), corpus_obj=built)
+                                      parts=("mined", "topics"), corpus_obj=built, worker=worker)
 
     expected = {shards.shard_name(p, shards.shard_of(i["id"], p)) for p, items in (("topics", topics),
                                                                                   ("mined", mined)) for i in items}
-    assert run(tmp_path) == len(expected)
+    assert run(tmp_path, (0, 2)) + run(tmp_path, (1, 2)) == len(expected)  # two workers share the shards
     names = {p.stem for p in shards.shard_paths(tmp_path)}
     assert names == expected  # no derived shards: 4-token answers are too short to work on
     stamps = {p.name: p.stat().st_mtime_ns for p in shards.shard_paths(tmp_path)}
@@ -254,7 +255,7 @@ def test_derived_shards_build_on_their_parent_shard(tiny_pair, tmp_path):
     assert derived == built.items("derived-topics", index, tokenizer)
 
 
-def test_trainer_reads_shards(tiny_pair, tmp_path):
+def test_trainer_reads_shards(tiny_pair, tmp_path, capsys):
     target, tokenizer = tiny_pair
     topics = [item(f"topic:t{n}:0", f"Question {n}?") for n in range(16)]
     mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(16)]
@@ -278,6 +279,8 @@ def test_trainer_reads_shards(tiny_pair, tmp_path):
         {i["id"] for i in topics}
     stats = shards.corpus_stats(tmp_path)
     assert stats["mined"]["answers"] == 16 and stats["topics"]["answer_tokens"] > 0
+    assert main(["corpus", "--stats", "--out", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["answers"] == 32
 
 
 def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path):

@@ -10,7 +10,7 @@ import sys
 
 # module -> subcommand(s) it registers; a module that is not there yet simply adds nothing.
 SUBCOMMAND_MODULES = ("dflash_hf.generate_cli", "dflash_hf.formats", "dflash_hf.bench", "dflash_hf.training.cli",
-                      "dflash_hf.training.corpus_shards", "dflash_hf.hub_upload", "dflash_hf.demo")
+                      "dflash_hf.training.corpus_cli", "dflash_hf.hub_upload", "dflash_hf.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

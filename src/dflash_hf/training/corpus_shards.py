@@ -1,4 +1,4 @@
-"""The target's answers to the `corpus` prompts, as compact committed shards, and `dflash-hf corpus`.
+"""The target's answers to the `corpus` prompts, as compact committed shards (written by `dflash-hf corpus`).
 
 A shard holds the answers to one fixed slice of one part: prompt `i` of part `p` belongs to shard
 `crc32(id) % SHARDS[p]`, so every machine assigns the same prompts to the same shard whatever it has already done,
@@ -250,8 +250,9 @@ def shard_schedule(parts=BASE_PARTS) -> list[tuple[str, int]]:
 
 def generate_corpus(target, tokenizer, directory: Path, config: GenerationConfig, max_minutes: float | None = None,
                     written_prompts: int = WRITTEN_PROMPTS, parts=BASE_PARTS, corpus_obj: Corpus | None = None,
-                    target_name: str = "") -> int:
-    """Write missing shards in `shard_schedule` order until done or `max_minutes` pass; returns shards written."""
+                    target_name: str = "", worker: tuple[int, int] = (0, 1)) -> int:
+    """Write missing shards in `shard_schedule` order until done or `max_minutes` pass; returns shards written.
+    `worker` (i, n): only shards whose index is i modulo n, for n workers sharing the corpus."""
     directory = Path(directory)
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     corpus_obj = corpus_obj or Corpus(directory)
@@ -260,6 +261,8 @@ def generate_corpus(target, tokenizer, directory: Path, config: GenerationConfig
     versions = corpus.package_versions()
     written = 0
     for part, index in shard_schedule(parts):
+        if index % worker[1] != worker[0]:
+            continue
         if deadline and time.time() > deadline:
             break
         path = directory / "shards" / f"{shard_name(part, index)}.npz"
@@ -328,6 +331,19 @@ def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.
     return records
 
 
+def prompt_counts(corpus_obj: Corpus) -> dict:
+    """Prompts per base part and per source, those the overlap guard rejected, and the mined packages' versions."""
+    from collections import Counter
+
+    parts, sources = {}, Counter()
+    for part in BASE_PARTS:
+        items = [item for shard in corpus_obj.part(part).values() for item in shard]
+        parts[part] = len(items)
+        sources.update(item["source"] for item in items)
+    return {"parts": parts, "total": sum(parts.values()), "sources": dict(sorted(sources.items())),
+            "rejected_as_eval_overlap": corpus_obj.stats.get("rejected", 0), "packages": corpus.package_versions()}
+
+
 def corpus_stats(directory: Path) -> dict:
     """Shards, answers and answer tokens so far, per part."""
     stats: dict[str, dict] = {}
@@ -339,45 +355,3 @@ def corpus_stats(directory: Path) -> dict:
         entry["answer_tokens"] += sum(len(r["answer_ids"]) for r in records)
         entry["sampled"] += sum(r["sampled"] for r in records)
     return stats
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "corpus", help="the target answers the self-distillation corpus, into resumable committed shards")
-    parser.add_argument("--out", type=Path, default=DEFAULT_CORPUS_DIR, help=f"corpus folder (default {DEFAULT_CORPUS_DIR})")
-    parser.add_argument("--target", default=None, help="Hub id or folder (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", help="the target's dtype while answering (default float32)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop starting new shards after this long")
-    parser.add_argument("--parts", nargs="+", choices=BASE_PARTS, default=list(BASE_PARTS))
-    parser.add_argument("--written-prompts", type=int, default=WRITTEN_PROMPTS,
-                        help="how many questions the target writes itself first")
-    defaults = GenerationConfig()
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    parser.add_argument("--stats", action="store_true", help="print what the shards hold and exit")
-    parser.set_defaults(func=run)
-
-
-def run(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.stats:
-        stats = corpus_stats(args.out)
-        total = {key: sum(entry[key] for entry in stats.values()) for key in ("shards", "answers", "answer_tokens")}
-        print(json.dumps({"parts": stats, "total": total}, indent=2))
-        return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from ..defaults import load_target
-
-    target, tokenizer = load_target(args.target, args.dtype)
-    config = GenerationConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    written = generate_corpus(target, tokenizer, args.out, config, args.max_minutes, args.written_prompts,
-                              tuple(args.parts), target_name=args.target or "embedded:smollm2-135m")
-    print(f"{written} shards written to {args.out / 'shards'}")
-    return 0
