@@ -188,6 +188,19 @@ def test_markov_walk_big_vocab(ops):
     assert_walk(ops, case, None, 1.0, True, False)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("draft_vocab,rank,max_chunks", [(4000, 64, None), (3000, 16, 3)])
+def test_markov_walk_split_over_chunks(ops, monkeypatch, sampled, draft_vocab, rank, max_chunks):
+    """The split argmax and split inverse CDF: 32 one-tile chunks per slot, or 3 chunks of two tiles (the last one
+    short) with the chunk count capped."""
+    if max_chunks is not None:
+        monkeypatch.setattr(ops._markov, "MAX_CHUNKS", max_chunks)
+    g = torch.Generator().manual_seed(draft_vocab)
+    case = markov_case(2, 4, draft_vocab * 2, draft_vocab, rank, 32, g)
+    uniforms = torch.rand(2, 4, generator=g) if sampled else None
+    assert_walk(ops, case, uniforms, 0.7, True, True)
+
+
 def selector_case(batch, num, top_k, rank, vocab, dtype, g):
     unary, candidates = (torch.randn(batch, num, vocab, generator=g) * 2.0).topk(top_k, -1)
     return dict(unary=unary, candidates=candidates, projected=sample((batch, num, rank), dtype, g),

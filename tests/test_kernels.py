@@ -69,7 +69,8 @@ def test_auto_on_cpu_runs_torch_and_says_so(monkeypatch, caplog):
 
 
 def test_auto_leaves_the_markov_walk_to_torch():
-    """The walk kernel measured slower than torch on an H200: `auto` must not call it, `on` does."""
+    """The walk kernel has no GPU measurement showing it wins (its predecessor lost): `auto` must not call it, `on`
+    does."""
     draft = random_dspark(tiny_target("qwen3"))
     auto = kernels_dflash.KernelPath(object(), "cuda", "local", strict=False)  # no op would run on object()
     assert auto.runs("context_kv") and not auto.runs("markov_walk")

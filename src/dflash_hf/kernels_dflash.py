@@ -17,9 +17,10 @@ KERNELS_VERSION = 1  # Hub branch `v1` = the kernel package's API_VERSION
 KERNELS_ENV = "DFLASH_KERNELS"
 _KERNEL_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
 _KERNEL_OPS = ("rms_norm", "context_kv", "markov_walk", "selector_walk")
-# Ops `auto` leaves to torch because their kernel measured slower than torch on a GPU (`scripts/gpu_check.sh` on an
-# H200, docs/gpu_check_h200.txt): the walk runs one program per row, 5-25x slower than torch's per-slot launches at
-# Kimi/Qwen sizes. `on` still runs them (that is how they are tested).
+# Ops `auto` leaves to torch until a GPU run shows their kernel wins. The Markov walk that ran one program per row
+# measured 5-25x slower than torch's per-slot launches on an H200 (docs/gpu_check_h200.txt); its replacement, split
+# over the vocabulary, is unmeasured on a GPU (`scripts/gpu_check.sh` times it, `scripts/gpu_bench.sh` runs it end to
+# end). `on` still runs them (that is how they are tested).
 _AUTO_TORCH_OPS = frozenset({"markov_walk"})
 _kernel_modules: dict[str, tuple] = {}  # device kind -> (module or None, source, why not); one load per process
 _kernel_paths: dict[tuple, "KernelPath"] = {}
