@@ -308,11 +308,6 @@ def test_stats_add_up():
     assert out.shape[1] == 41
 
 
-def test_batch_of_two_is_refused_with_advice():
-    target, draft = pair("llama", "dflash")
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        greedy(target, torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4, assistant_model=draft)
-
 
 @pytest.mark.parametrize("field,value", [("vocab_size", 20), ("target_hidden_size", 16), ("num_target_layers", 8)])
 def test_draft_that_does_not_fit_the_target_is_refused(field, value):

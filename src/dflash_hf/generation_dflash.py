@@ -15,12 +15,14 @@ import inspect
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .batching_dflash import batched_speculation
 from .policy_dflash import LengthPolicy, measured_costs
 
 logger = logging.getLogger(__name__)
@@ -229,6 +231,47 @@ def _new_stats() -> dict:
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 5, 2
 
 
+@dataclass
+class DraftSettings:
+    """What a generate call drafts with, read from the draft and the call's generation config."""
+
+    device: torch.device
+    block_size: int  # ids per drafted block (anchor included), `dflash_block_size` or the draft's
+    max_slots: int  # tokens one block can propose
+    confidence_threshold: float | None  # DSpark's stop threshold under the fixed policy
+    policy: LengthPolicy
+
+
+def prepare_draft(draft, target: PreTrainedModel, generation_config, batch: int = 1) -> DraftSettings:
+    """Check that the draft can serve this target, place it beside the target's last layer, bind it, and read the
+    call's drafting settings: shared by the one-sequence generator and the batched loop."""
+    check_draft_fits_target(draft.config, target.config)
+    check_target_cache_croppable(target)
+    if target.device.type == "meta":
+        raise ValueError(
+            "The target's input embedding is offloaded to disk (target.device is meta), which transformers' "
+            "assisted generation cannot run with: keep the embedding on a real device in your device_map."
+        )
+    layers = find_decoder_layers(target)
+    if draft.place_with_target:  # beside the last decoder layer, where the states are freshest
+        device = execution_device(layers[-1])
+        if draft.fc.weight.device != device:
+            draft.to(device)
+    draft.bind_target(target)  # may raise: before any hook goes on the target
+    device = draft.fc.weight.device
+    threshold = getattr(generation_config, "dspark_confidence_threshold", None)
+    block_size = getattr(generation_config, "dflash_block_size", None) or draft.config.block_size
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"`dflash_block_size` = {block_size!r}; expected an integer >= 2 (anchor + slots).")
+    max_slots = block_size - (draft.config.block_size - draft.config.num_speculative_slots)
+    # Measured costs and acceptance are kept per target, device, dtype, thread count and draft for the process.
+    key = (id(target), id(draft), str(device), str(draft.fc.weight.dtype), torch.get_num_threads())
+    policy = LengthPolicy(measured_costs(key, (target, draft)), max_slots,
+                          getattr(generation_config, "dflash_policy", None) or "auto", batch)
+    return DraftSettings(device, block_size, max_slots,
+                         threshold if threshold is not None else draft.confidence_threshold, policy)
+
+
 class DFlashCandidateGenerator(CandidateGenerator):
     """Drafts one block per step from the target's captured hidden states, on transformers' assisted decoding.
 
@@ -244,39 +287,19 @@ class DFlashCandidateGenerator(CandidateGenerator):
                  input_ids: torch.Tensor | None = None):
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
-                f"Block speculation runs one sequence at a time (got batch size {input_ids.shape[0]}), as transformers' "
-                "assisted generation does. Call `generate` once per prompt, or drop `assistant_model` for batched decoding."
+                f"DFlashCandidateGenerator drafts for one sequence (got batch size {input_ids.shape[0]}); "
+                "`target.generate(assistant_model=draft)` runs batches through the batched loop."
             )
-        check_draft_fits_target(draft.config, target.config)
-        check_target_cache_croppable(target)
-        if target.device.type == "meta":
-            raise ValueError(
-                "The target's input embedding is offloaded to disk (target.device is meta), which transformers' "
-                "assisted generation cannot run with: keep the embedding on a real device in your device_map."
-            )
-        layers = find_decoder_layers(target)
-        if draft.place_with_target:  # beside the last decoder layer, where the states are freshest
-            device = execution_device(layers[-1])
-            if draft.fc.weight.device != device:
-                draft.to(device)
-        draft.bind_target(target)  # may raise: before any hook goes on the target
+        settings = prepare_draft(draft, target, generation_config)
         self.draft = draft
-        self.device = draft.fc.weight.device
+        self.device = settings.device
         self.cache = draft.new_context_cache()
         self.num_context = 0  # verified tokens whose states were captured (in the draft's cache, or pending)
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor else None
-        threshold = getattr(generation_config, "dspark_confidence_threshold", None)
-        self.confidence_threshold = threshold if threshold is not None else draft.confidence_threshold
-        self.block_size = getattr(generation_config, "dflash_block_size", None) or draft.config.block_size
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ValueError(f"`dflash_block_size` = {self.block_size!r}; expected an integer >= 2 (anchor + slots).")
+        self.confidence_threshold = settings.confidence_threshold
+        self.block_size, self.max_slots, self.policy = settings.block_size, settings.max_slots, settings.policy
         self.max_length = generation_config.max_length
-        self.max_slots = self.block_size - (draft.config.block_size - draft.config.num_speculative_slots)
-        # Measured costs and acceptance are kept per target, device, dtype, thread count and draft for the process.
-        key = (id(target), id(draft), str(self.device), str(draft.fc.weight.dtype), torch.get_num_threads())
-        self.policy = LengthPolicy(measured_costs(key, (target, draft)), self.max_slots,
-                                   getattr(generation_config, "dflash_policy", None) or "auto")
         self.pending: list[torch.Tensor] = []  # verified tokens' states the draft has not read yet
         self._step = None  # (source, proposed, forced probe) of the step being verified
         # `prompt_lookup_num_tokens` alongside the draft: where the sequence's last LOOKUP_MIN_NGRAM ..
@@ -496,6 +519,8 @@ def install_generate_hook() -> None:
     def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
         if not _is_block_drafter(assistant_model):
             return original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        if input_ids.shape[0] > 1:
+            return _batched(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
         call = _GenerateCall(kwargs.get("streamer"))
         token = _current_call.set(call)
         try:
@@ -509,6 +534,21 @@ def install_generate_hook() -> None:
             assistant_model.generation_stats = stats  # the last finished call's, for convenience
             if not isinstance(result, torch.Tensor):
                 result.generation_stats = stats  # this call's, whatever other threads finish meanwhile
+        return result
+
+    def _batched(self, input_ids, *args, assistant_model, generation_config, **kwargs):
+        """B > 1: our own loop (transformers' assisted decoding takes one sequence)."""
+        settings = prepare_draft(assistant_model, self, generation_config, batch=input_ids.shape[0])
+        capture = TargetStateCapture(self, assistant_model.config.target_layer_ids, assistant_model.capture_mode)
+        try:
+            result, stats = batched_speculation(self, input_ids, *args, generation_config=generation_config,
+                                                assistant_model=assistant_model, settings=settings, capture=capture,
+                                                **kwargs)
+        finally:
+            capture.close()
+        assistant_model.generation_stats = stats
+        if not isinstance(result, torch.Tensor):
+            result.generation_stats = stats
         return result
 
     for name, wrapper in (

@@ -180,6 +180,7 @@ class DFlashContextCache:
     def __init__(self):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.positions: torch.Tensor | None = None  # [B, C] each entry's absolute position (sliding windows read it)
 
     def get_seq_length(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
@@ -198,6 +199,24 @@ class DFlashContextCache:
             self.keys.append(k)
             self.values.append(v)
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def append_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Record the positions [B, C] of the entries just appended; returns every entry's position."""
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
+        return self.positions
+
+    def reindex(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
+        """Keep batch rows `rows` [B'] and, of row `rows[i]`, the entries `columns[i]` [B', C'] in that order (a
+        batched generation dropping finished rows and closing the holes rejected drafts left)."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            t = t[rows]
+            index = columns.view(columns.shape[0], 1, columns.shape[1], 1).expand(-1, t.shape[1], -1, t.shape[3])
+            return torch.gather(t, 2, index)
+
+        self.keys = [take(k) for k in self.keys]
+        self.values = [take(v) for v in self.values]
+        if self.positions is not None:
+            self.positions = torch.gather(self.positions[rows], 1, columns)
 
 
 def layer_attention_mask(attn: "DFlashAttention", mask, query_pos: torch.Tensor, key_pos: torch.Tensor):

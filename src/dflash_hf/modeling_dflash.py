@@ -217,7 +217,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     # -- embeddings borrowed from the target ---------------------------------------------------------------------------
 
     def bind_target(self, target: PreTrainedModel) -> None:
-        """Borrow the target's input embedding and/or lm_head, whichever the checkpoint has none of its own of."""
+        """Borrow the target's input embedding and/or lm_head, whichever the checkpoint has none of its own of, and
+        take its special token ids (the draft speaks its vocabulary; `pipeline(assistant_model=draft)` compares them
+        before it generates, so bind first there)."""
+        text_config = target.config.get_text_config(decoder=True)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(self.config, name, getattr(text_config, name, None))
         borrowed = {
             "embedding": (self.config.shares_target_input_embedding, target.get_input_embeddings),
             "lm_head": (self.config.shares_target_lm_head, target.get_output_embeddings),
@@ -333,6 +338,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             position_ids = position_ids.expand(batch, -1)
         all_context_kv = self.encode_context(context_hidden_states, position_ids[:, :ctx_len], dtype)
         query_pos = position_ids[:, ctx_len:]
+        context_pos = None  # of every context key, where a sliding window needs them (else: just before the block)
+        if getattr(cache, "keeps_context_only", False):
+            context_pos = cache.append_positions(position_ids[:, :ctx_len])
         block_cos, block_sin = self.rotary_emb(query_pos, dtype)
         x = noise_embeds
         for layer, (ctx_k, ctx_v) in zip(self.layers, all_context_kv):
@@ -348,11 +356,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 block_context_kv = (keys[:, :, :-block_len], values[:, :, :-block_len])
             else:
                 block_context_kv = (ctx_k, ctx_v)
-            mask = self._block_mask(attn, block_context_kv[0].shape[2], query_pos, attention_mask)
+            mask = self._block_mask(attn, block_context_kv[0].shape[2], query_pos, attention_mask, context_pos)
             x = layer(x, block_cos, block_sin, block_context_kv, mask, block_kv)
         return DFlashDraftOutput(last_hidden_state=self.norm(x))
 
-    def _block_mask(self, attn: DFlashAttention, num_context: int, query_pos, attention_mask) -> torch.Tensor | None:
+    def _block_mask(self, attn: DFlashAttention, num_context: int, query_pos, attention_mask,
+                    context_pos=None) -> torch.Tensor | None:
         """Bidirectional over the block and full over the context, narrowed by padding and sliding windows."""
         block_len = query_pos.shape[1]
         mask = None
@@ -360,19 +369,22 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             mask = attention_mask[:, -(num_context + block_len) :].bool()[:, None, None, :]
         if attn.sliding_window is None:
             return mask
-        context_pos = query_pos[:, :1] + torch.arange(-num_context, 0, device=query_pos.device)
+        if context_pos is None:
+            context_pos = query_pos[:, :1] + torch.arange(-num_context, 0, device=query_pos.device)
         return layer_attention_mask(attn, mask, query_pos, torch.cat([context_pos, query_pos], 1))
 
     # -- drafting ----------------------------------------------------------------------------------------------------
 
     def block_hidden(self, context_hidden: torch.Tensor, anchor_ids: torch.Tensor, cache: DFlashContextCache,
-                     block_size: int | None = None) -> torch.Tensor:
+                     block_size: int | None = None, position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of the block `[anchor, MASK, ...]` (`block_size` ids, the config's by default) placed
-        right after the cached + new context."""
+        right after the cached + new context (or at `position_ids`; see `forward`)."""
         block_size = block_size or self.config.block_size
         mask_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), self.config.mask_token_id)
         block_ids = torch.cat([anchor_ids[:, None], mask_ids], dim=1)
-        return self(self.embed(block_ids), context_hidden, cache=cache).last_hidden_state
+        return self(self.embed(block_ids), context_hidden, position_ids=position_ids, attention_mask=attention_mask,
+                    cache=cache).last_hidden_state
 
     def new_context_cache(self) -> DFlashContextCache:
         return DFlashContextCache()
@@ -410,6 +422,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         confidence_threshold: float | None = None,
         block_size: int | None = None,
         max_slots: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Draft one block. The one entry point shared by generation, benchmarks, the demo and evaluation.
 
@@ -421,8 +435,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         block_size: ids in the drafted block for this call (the config's by default).
         max_slots: propose at most this many tokens (the first slots): the head and walk skip the rest, the
             backbone still sees the whole block (what it was trained on), so the proposals are the same.
+        position_ids, attention_mask: as `forward` takes them, for rows at their own positions with padding or
+            holes (batched generation); by default the context and block follow the cache contiguously.
         """
-        hidden = self.block_hidden(context_hidden, anchor_ids, cache, block_size)
+        hidden = self.block_hidden(context_hidden, anchor_ids, cache, block_size, position_ids, attention_mask)
         first = self.config.block_size - self.config.num_speculative_slots  # DFlash layout: slot 0 is the anchor
         hidden = hidden[:, first : first + max_slots if max_slots else None]
         base = self.logits(hidden).float()

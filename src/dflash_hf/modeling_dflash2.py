@@ -222,6 +222,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         confidence_threshold: float | None = None,
         block_size: int | None = None,
         max_slots: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Draft one block (see `DFlashDraftModel.propose`): the DFlash forward, then the selector's walk.
 
@@ -229,7 +231,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         candidates), whose softmax is exactly the distribution each slot was drawn from. `confidence_threshold`
         is ignored: DFlash 2 has no confidence head.
         """
-        hidden = self.block_hidden(context_hidden, anchor_ids, cache, block_size)
+        hidden = self.block_hidden(context_hidden, anchor_ids, cache, block_size, position_ids, attention_mask)
         first = self.config.block_size - self.config.num_speculative_slots  # DFlash layout: slot 0 is the anchor
         hidden = hidden[:, first : first + max_slots if max_slots else None]
         logits = self.logits(hidden).float()

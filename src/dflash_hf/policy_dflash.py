@@ -9,7 +9,9 @@ being a plain decode step. Where speculation looks hopeless it still probes now 
 fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
-`1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts).
+`1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A batch of B rows proposes one k for all of
+them (the verify is one rectangular forward, so a row proposing fewer would still pay for the others' columns): the
+expected tokens are summed over the rows, against what B rows of k + 1 cost, which is measured per B.
 """
 
 import threading
@@ -114,15 +116,19 @@ class MeasuredCosts:
     """What one target (on one device, in one dtype) and its drafts cost here; shared by the calls of a process."""
 
     def __init__(self):
-        self.verify = CostTable()  # by rows: 1 = a plain decode step
-        self.draft: dict[str, CostTable] = {}  # by source, by slots drafted
+        self.verify = CostTable()  # one sequence, by rows: 1 = a plain decode step
+        self.batched_verify: dict[int, CostTable] = {}  # a batch of B sequences: B -> by rows per sequence
+        self.draft: dict[str, CostTable] = {}  # by source (and batch size above one), by slots drafted
         self.acceptance: dict[str, AcceptanceRates] = {}
         self.idle_steps = 0  # steps in a row that proposed nothing
         self.probe_interval = PROBE_INTERVAL
         self.lock = threading.Lock()
 
-    def draft_table(self, source: str) -> CostTable:
-        return self.draft.setdefault(source, CostTable())
+    def verify_table(self, batch: int = 1) -> CostTable:
+        return self.verify if batch == 1 else self.batched_verify.setdefault(batch, CostTable())
+
+    def draft_table(self, source: str, batch: int = 1) -> CostTable:
+        return self.draft.setdefault(source if batch == 1 else f"{source} x{batch}", CostTable())
 
     def rates(self, source: str) -> AcceptanceRates:
         return self.acceptance.setdefault(source, AcceptanceRates())
@@ -146,10 +152,11 @@ def measured_costs(key: tuple, owners: tuple = ()) -> MeasuredCosts:
 class LengthPolicy:
     """Chooses each step's proposal length for one generate call, and records why."""
 
-    def __init__(self, costs: MeasuredCosts, max_slots: int, mode: str = "auto"):
+    def __init__(self, costs: MeasuredCosts, max_slots: int, mode: str = "auto", batch: int = 1):
         if mode not in POLICIES:
             raise ValueError(f"`dflash_policy` = {mode!r}; expected one of {POLICIES}.")
         self.costs, self.max_slots, self.mode = costs, max_slots, mode
+        self.batch = batch  # sequences verified together (a batched call lowers it as rows finish)
 
     @property
     def adaptive(self) -> bool:
@@ -158,18 +165,19 @@ class LengthPolicy:
     def _rate(self, expected: float, seconds: float | None) -> float | None:
         return None if seconds is None or seconds <= 0 else expected / seconds
 
-    def best(self, rates: list[float], draft_seconds, allow_zero: bool) -> tuple[int, float, float | None]:
-        """(k, expected tokens, estimated seconds) with the best expected rate; `draft_seconds(k)` is the drafting
-        cost of k slots (0 for prompt lookup). Unknown costs make k = len(rates) the answer (measure it)."""
-        expected = expected_tokens(rates)
+    def best(self, expected: list[float], draft_seconds, allow_zero: bool) -> tuple[int, float, float | None]:
+        """(k, expected tokens, estimated seconds) with the best expected rate, of `expected[k]` tokens for proposing
+        k; `draft_seconds(k)` is the drafting cost of k slots (0 for prompt lookup). Unknown costs make the largest k
+        the answer (measure it)."""
+        verify_table = self.costs.verify_table(self.batch)
         best = None
-        for k in range(0 if allow_zero else 1, len(rates) + 1):
-            verify = self.costs.verify.estimate(k + 1)
+        for k in range(0 if allow_zero else 1, len(expected)):
+            verify = verify_table.estimate(k + 1)
             draft = draft_seconds(k) if k else 0.0
             seconds = None if verify is None or draft is None else verify + draft
             rate = self._rate(expected[k], seconds)
             if rate is None:
-                return len(rates), expected[-1], None
+                return len(expected) - 1, expected[-1], None
             if k and allow_zero:
                 rate /= 1 + SPECULATION_MARGIN
             if best is None or rate > best[0]:
@@ -181,40 +189,49 @@ class LengthPolicy:
         if not self.adaptive:
             return self.max_slots, False
         with self.costs.lock:
-            if self.costs.verify.estimate(1) is None:
+            if self.costs.verify_table(self.batch).estimate(1) is None:
                 return 0, False  # measure a decode step first
-            rates = self.costs.rates(source).rates(self.max_slots)
-            table = self.costs.draft_table(source)
-            k, _, _ = self.best(rates, table.estimate, allow_zero=True)
+            expected = [self.batch * e for e in expected_tokens(self.costs.rates(source).rates(self.max_slots))]
+            table = self.costs.draft_table(source, self.batch)
+            k, _, _ = self.best(expected, table.estimate, allow_zero=True)
             if k == 0 and self.costs.idle_steps + 1 >= self.costs.probe_interval:
-                k, _, _ = self.best(rates, table.estimate, allow_zero=False)
+                k, _, _ = self.best(expected, table.estimate, allow_zero=False)
                 return k, True
             return k, False
 
-    def choose(self, source: str, available: int, confidence: list[float] | None) -> tuple:
+    def choose(self, source: str, available: int, confidence: list[list[float]] | list[float] | None) -> tuple:
         """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds of
         the verify). The drafting is paid for by now, so only the verify's cost weighs. `confidence`: the draft's own
-        per-slot acceptance predictions (DSpark), else the running rates."""
+        per-slot acceptance predictions (DSpark; one list per row of a batch), else the running rates."""
         if not self.adaptive:
             return available, None, None
         with self.costs.lock:
-            rates = list(confidence[:available]) if confidence else self.costs.rates(source).rates(available)
-            choice = self.best(rates, lambda k: 0.0, allow_zero=True)
+            if confidence:
+                rows = confidence if isinstance(confidence[0], list) else [confidence]
+                per_row = [expected_tokens(row[:available]) for row in rows]
+                expected = [sum(row[k] for row in per_row) for k in range(len(per_row[0]))]
+            else:
+                rates = self.costs.rates(source).rates(available)
+                expected = [self.batch * e for e in expected_tokens(rates)]
+            choice = self.best(expected, lambda k: 0.0, allow_zero=True)
             if not choice[0] and not confidence:
                 self.costs.rates(source).forget()
             return choice
 
     def observe_draft(self, source: str, slots: int, seconds: float) -> None:
         with self.costs.lock:
-            self.costs.draft_table(source).observe(slots, seconds)
+            self.costs.draft_table(source, self.batch).observe(slots, seconds)
 
-    def record(self, source: str | None, proposed: int, accepted: int, probe: bool, seconds: float) -> None:
-        """A verified step (`proposed` candidates, `accepted` of them, `seconds` for the verify of proposed + 1 rows):
-        update the cost of that many rows, the source's acceptance and the probing schedule."""
+    def record(self, source: str | None, proposed: int, accepted: int | list[int], probe: bool,
+               seconds: float) -> None:
+        """A verified step (`proposed` candidates, `accepted` of them, or per row of a batch; `seconds` for the verify
+        of proposed + 1 rows per sequence): update the cost of that many rows, the source's acceptance and the probing
+        schedule."""
         with self.costs.lock:
-            self.costs.verify.observe(proposed + 1, seconds)
+            self.costs.verify_table(self.batch).observe(proposed + 1, seconds)
             if source is not None and proposed:
-                self.costs.rates(source).observe(proposed, accepted)
+                for row in accepted if isinstance(accepted, list) else [accepted]:
+                    self.costs.rates(source).observe(proposed, row)
             if not self.adaptive:  # a fixed-length call teaches costs and acceptance, not the probing schedule
                 return
             if source == "draft" and proposed:

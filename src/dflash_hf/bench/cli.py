@@ -36,6 +36,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", choices=POLICIES, default="auto",
                         help="our paths' speculation length: auto (by measured cost), fixed (full blocks), or both")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
+                        help="batches of B prompts per generate call (one or more sizes): total tokens/s of ours "
+                             "against plain batched generate, and per-row tau (first turns only)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--warmup-tokens", type=int, default=WARMUP_NEW_TOKENS)
@@ -123,6 +126,8 @@ def run(args) -> int:
         prompt_lookup_num_tokens=args.prompt_lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS,
         warmup_new_tokens=args.warmup_tokens, policy=args.policy,
     )
+    if args.batch_size:
+        return _run_batched(args, target, tokenizer, drafts, samples, settings, models)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths, skipped, extra = build_paths(target, drafts, settings, pad_token_id=pad)
     for kind, note in models["drafts"].items():
@@ -151,4 +156,31 @@ def run(args) -> int:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_report(report, args.plot)
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _run_batched(args, target, tokenizer, drafts, samples, settings, models) -> int:
+    import sys
+
+    from .batched import format_batched_table, run_batched_bench
+
+    if any(size < 1 for size in args.batch_size):
+        print(f"error: --batch-size takes positive sizes, got {args.batch_size}", file=sys.stderr)
+        return 2
+    machine = machine_info()
+    try:
+        results = run_batched_bench(target, tokenizer, drafts, samples, settings, args.batch_size,
+                                    progress=not args.no_progress)
+    except BenchMismatchError as error:
+        print(f"FAILED: {error}", file=sys.stderr)
+        return 1
+    machine["load_average_1m_end"] = _load_average()
+    print(format_batched_table(results))
+    if args.json:
+        report = {"kind": "batched", "dataset": args.dataset, "samples": len(samples), "models": models,
+                  "settings": vars(settings), "machine": machine,
+                  "results": {str(size): per_path for size, per_path in results.items()}}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        print(f"report: {args.json}")
     return 0

@@ -1,0 +1,1 @@
+src/dflash_hf/batching_dflash.py
