@@ -12,7 +12,7 @@ Triton walk forced on), transformers' built-in DFlash and z-lab's `dflash_genera
 Forcing tau: the target's lm_head is zeroed, so every draft, which reads its logits through that head, proposes token
 0; a hook on the target's forward then writes its logits: token 1 at every P-th position, 0 elsewhere. Every loop
 accepts P - 1 proposals a step and emits P tokens, whatever its code, while every forward costs what it always costs.
-Every loop's tokens must equal plain generate's in every run (and, with `--natural-tokens`, on the random heads).
+Every loop's tokens must equal plain generate's in every run (at the tiny size also in a run on the random heads).
 
     python scripts/gpu_bench.py [--size full|tiny] [--out DIR]      (scripts/gpu_bench.sh on a lent GPU)
 

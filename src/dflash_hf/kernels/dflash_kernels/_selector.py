@@ -4,6 +4,10 @@ Slot k scores its K candidates against the token picked at k-1, so the walk is s
 walks all slots with the K scores in registers: each slot gathers the predecessor's codebook row and the K successor
 rows, reduces them against the projected slot state in rank chunks, then takes the argmax or an inverse-CDF draw over
 the K scores. The torch walk pays several small launches per slot; this pays one per block.
+
+Unlike DSpark's walk (`_markov.py`), no slot here touches the vocabulary: the top-K over it runs once for all slots
+before the walk, and a slot's work is K x r (16 x 256 for z-lab's released draft), one tile. Splitting a slot over
+programs would take a launch per slot, which costs more than the slot's work.
 """
 
 import torch
