@@ -239,6 +239,26 @@ def test_generation_resumes_skipping_existing_shards(tiny_pair, tmp_path):
             assert 0 < len(record["answer_ids"]) <= 4
 
 
+def test_greedy_rows_in_a_sampled_batch_answer_exactly_greedily(tiny_pair):
+    target, tokenizer = tiny_pair
+    items = [item(f"topic:t{n}:0", f"Q{n}" + "?" * n) for n in range(8)]
+    mixed = shards.answer_items(target, tokenizer, items, shards.GenerationConfig(max_new_tokens=12, sample_every=2,
+                                                                                  temperature=5.0), seed=0)
+    greedy = shards.answer_items(target, tokenizer, items, shards.GenerationConfig(max_new_tokens=12, sample_every=0),
+                                 seed=0)
+    assert 0 < sum(r["sampled"] for r in mixed.values()) < len(items)
+    for item_id, record in mixed.items():
+        assert (record["answer_ids"] == greedy[item_id]["answer_ids"]) or record["sampled"]
+    assert any(r["answer_ids"] != greedy[i]["answer_ids"] for i, r in mixed.items())  # hot sampling does differ
+
+
+def test_schedule_covers_every_shard_once_with_derived_after_parents():
+    order = shards.shard_schedule()
+    assert len(order) == len(set(order)) == 2 * sum(shards.SHARDS.values())
+    position = {entry: n for n, entry in enumerate(order)}
+    assert all(position[(f"derived-{p}", i)] > position[(p, i)] for p, n in shards.SHARDS.items() for i in range(n))
+
+
 def test_derived_shards_build_on_their_parent_shard(tiny_pair, tmp_path):
     _, tokenizer = tiny_pair
     topics = [item(f"topic:t{n}:0", f"Question {n}?") for n in range(2000)]

@@ -214,45 +214,65 @@ def prompt_ids(tokenizer, item: dict) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def answer_shard(target, tokenizer, items: list[dict], config: GenerationConfig, seed: int) -> list[dict]:
-    """The target's answers to `items`: greedy and sampled groups, each in length-sorted left-padded batches."""
+class GreedyRows:
+    """A logits processor that leaves only the argmax to the rows marked greedy, so one sampled batch can hold greedy
+    rows too (it runs before temperature and top-p, which keep that single token)."""
+
+    def __init__(self, greedy: list[bool]):
+        self.greedy = torch.tensor(greedy)
+
+    def __call__(self, input_ids, scores):
+        rows = self.greedy.to(scores.device)
+        best = scores.argmax(-1, keepdim=True)
+        forced = torch.full_like(scores, float("-inf")).scatter(-1, best, scores.gather(-1, best))
+        return torch.where(rows[:, None], forced, scores)
+
+
+def answer_items(target, tokenizer, items: list[dict], config: GenerationConfig, seed: int) -> dict[str, dict]:
+    """{id: record} of the target's answers to `items`, in length-sorted left-padded batches that mix greedy and
+    sampled rows (full batches are several times faster per token than small ones on a CPU)."""
+    from transformers import LogitsProcessorList
+
     eos = eos_ids(tokenizer, target)
     prompts = {item["id"]: prompt_ids(tokenizer, item) for item in items}
-    records = []
-    for sampled in (False, True):
-        group = sorted((i for i in items if is_sampled(i["id"], config.sample_every) == sampled),
-                       key=lambda i: (len(prompts[i["id"]]), i["id"]))
-        kwargs = dict(do_sample=True, temperature=config.temperature, top_p=config.top_p) if sampled else \
-            dict(do_sample=False)
-        for start in range(0, len(group), config.batch_size):
-            batch = group[start : start + config.batch_size]
-            torch.manual_seed(seed + start)
-            outputs = batched_chat_generate(target, tokenizer, [i["messages"] for i in batch], config.max_new_tokens,
-                                            **kwargs)
-            for item, (ids, answer, _) in zip(batch, outputs):
-                records.append({"id": item["id"], "source": item["source"],
-                                "prompt_ids": None if item["mined"] else ids, "prompt_crc": ids_crc(ids),
-                                "answer_ids": answer, "sampled": sampled, "finished": bool(answer and answer[-1] in eos)})
-    order = {item["id"]: n for n, item in enumerate(items)}
-    return sorted(records, key=lambda r: order[r["id"]])
+    ordered = sorted(items, key=lambda i: (len(prompts[i["id"]]), i["id"]))
+    records = {}
+    for start in range(0, len(ordered), config.batch_size):
+        batch = ordered[start : start + config.batch_size]
+        sampled = [is_sampled(i["id"], config.sample_every) for i in batch]
+        kwargs = dict(do_sample=False)
+        if any(sampled):
+            kwargs = dict(do_sample=True, temperature=config.temperature, top_p=config.top_p,
+                          logits_processor=LogitsProcessorList([GreedyRows([not s for s in sampled])]))
+        torch.manual_seed(seed + start)
+        outputs = batched_chat_generate(target, tokenizer, [i["messages"] for i in batch], config.max_new_tokens,
+                                        **kwargs)
+        for item, was_sampled, (ids, answer, _) in zip(batch, sampled, outputs):
+            records[item["id"]] = {"id": item["id"], "source": item["source"],
+                                   "prompt_ids": None if item["mined"] else ids, "prompt_crc": ids_crc(ids),
+                                   "answer_ids": answer, "sampled": was_sampled,
+                                   "finished": bool(answer and answer[-1] in eos)}
+    return records
 
 
 def shard_schedule(parts=BASE_PARTS) -> list[tuple[str, int]]:
-    """(part, index) in generation order: shard k of every part, then its derived shard, for k = 0, 1, ... so that a
-    partial corpus already mixes every source."""
+    """(part, index) in generation order: shard k of every part, then the derived shards of k - 1 (whose parents are
+    written by then), for k = 0, 1, ..., so that a partial corpus already mixes every source."""
     order = []
-    for index in range(max(SHARDS[p] for p in parts)):
-        for part in parts:
-            if index < SHARDS[part]:
-                order += [(part, index), (f"derived-{part}", index)]
+    for index in range(max(SHARDS[p] for p in parts) + 1):
+        order += [(part, index) for part in parts if index < SHARDS[part]]
+        order += [(f"derived-{part}", index - 1) for part in parts if 0 < index <= SHARDS[part]]
     return order
 
 
 def generate_corpus(target, tokenizer, directory: Path, config: GenerationConfig, max_minutes: float | None = None,
                     written_prompts: int = WRITTEN_PROMPTS, parts=BASE_PARTS, corpus_obj: Corpus | None = None,
-                    target_name: str = "", worker: tuple[int, int] = (0, 1)) -> int:
+                    target_name: str = "", worker: tuple[int, int] = (0, 1), min_pass_items: int = 96) -> int:
     """Write missing shards in `shard_schedule` order until done or `max_minutes` pass; returns shards written.
-    `worker` (i, n): only shards whose index is i modulo n, for n workers sharing the corpus."""
+
+    Missing shards are answered together, at least `min_pass_items` prompts a pass, and each is written as soon as its
+    pass ends. `worker` (i, n): only shards whose index is i modulo n, for n workers sharing the corpus.
+    """
     directory = Path(directory)
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     corpus_obj = corpus_obj or Corpus(directory)
@@ -260,28 +280,45 @@ def generate_corpus(target, tokenizer, directory: Path, config: GenerationConfig
         write_written_prompts(target, tokenizer, directory / WRITTEN_FILE, written_prompts, config.batch_size)
     versions = corpus.package_versions()
     written = 0
+    pending: list[tuple[str, int, list[dict]]] = []
+
+    def answer_pending() -> int:
+        started = time.time()
+        items = [item for _, _, shard_items in pending for item in shard_items]
+        names = "+".join(shard_name(part, index) for part, index, _ in pending)
+        records = answer_items(target, tokenizer, items, config, seed=corpus.stable_hash(names))
+        seconds = time.time() - started
+        tokens = sum(len(r["answer_ids"]) for r in records.values())
+        for part, index, shard_items in pending:
+            meta = {"part": part, "index": index, "target": target_name, "generation": asdict(config),
+                    "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                    "pass": {"shards": names, "seconds": round(seconds, 1), "answer_tokens": tokens},
+                    "packages": versions if part in ("mined", "derived-mined") else None}
+            write_shard(directory / "shards" / f"{shard_name(part, index)}.npz",
+                        [records[item["id"]] for item in shard_items], meta)
+        logger.info("%s: %d answers, %d answer tokens, %.0f s (%.1f tokens/s)", names, len(items), tokens, seconds,
+                    tokens / max(seconds, 1e-9))
+        count = len(pending)
+        pending.clear()
+        return count
+
     for part, index in shard_schedule(parts):
         if index % worker[1] != worker[0]:
             continue
         if deadline and time.time() > deadline:
             break
-        path = directory / "shards" / f"{shard_name(part, index)}.npz"
-        if path.exists():
+        if (directory / "shards" / f"{shard_name(part, index)}.npz").exists():
             continue
+        parent = part.removeprefix("derived-")
+        if part != parent and (parent, index) in [(p, i) for p, i, _ in pending]:
+            written += answer_pending()  # a derived shard needs its parent's answers written first
         items = corpus_obj.items(part, index, tokenizer)
-        if not items:
-            continue
-        started = time.time()
-        records = answer_shard(target, tokenizer, items, config, seed=corpus.stable_hash(path.stem))
-        seconds = time.time() - started
-        meta = {"part": part, "index": index, "target": target_name, "dtype": str(target.dtype).removeprefix("torch."),
-                "generation": asdict(config), "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
-                "packages": versions if part in ("mined", "derived-mined") else None}
-        write_shard(path, records, meta)
-        tokens = sum(len(r["answer_ids"]) for r in records)
-        logger.info("%s: %d answers, %d answer tokens, %.0f s (%.1f tokens/s)", path.name, len(records), tokens,
-                    seconds, tokens / max(seconds, 1e-9))
-        written += 1
+        if items:
+            pending.append((part, index, items))
+        if sum(len(shard_items) for _, _, shard_items in pending) >= min_pass_items:
+            written += answer_pending()
+    if pending and not (deadline and time.time() > deadline):
+        written += answer_pending()
     return written
 
 
