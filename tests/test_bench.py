@@ -346,3 +346,43 @@ def test_no_embedded_dflash2_draft_is_a_clear_line(tiny_pair, capsys):
     err = capsys.readouterr().err
     assert "No trained dflash2 draft is embedded" in err and "--draft PATH" in err
     assert bench.OURS["dflash2"] == "dflash2_hf" and bench.OURS_LOOKUP["dflash2"] == "dflash2_hf_lookup"
+
+
+def test_batch_sizes_run_against_plain_batched_generate(tiny_pair, tmp_path, capsys):
+    """`--batch-size 1 2 3`: each size's batches through plain batched generate and our drafts (exact, or the run
+    fails), with tokens/s and per-row tau."""
+    out = tmp_path / "b.json"
+    assert cli.main(_bench_args(tiny_pair, "--batch-size", "1", "2", "3", "--policy", "both", "--json", str(out))) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["kind"] == "batched" and set(report["results"]) == {"1", "2", "3"}
+    for size, per_path in report["results"].items():
+        assert set(per_path) == {"baseline", "dflash_hf", "dspark_hf", "dflash_hf_fixed", "dspark_hf_fixed"}
+        assert per_path["baseline"]["throughput_vs_plain"] == 1.0 and per_path["baseline"]["row_tau"] is None
+        assert per_path["baseline"]["batches"] == -(-3 // int(size))  # 3 prompts (first turns)
+        for name in ("dflash_hf_fixed", "dspark_hf_fixed"):
+            assert per_path[name]["row_tau"] >= 1.0 and per_path[name]["tokens"] == per_path["baseline"]["tokens"]
+    assert "dspark_hf_fixed" in table
+
+
+def test_a_batched_path_that_differs_fails_loudly(tiny_pair, monkeypatch, capsys):
+    from dflash_hf.bench import batched
+
+    real = batched._paths
+
+    def broken(*args, **kwargs):
+        paths = real(*args, **kwargs)
+        run = paths["dspark_hf"]
+
+        def wrong(ids, mask):
+            out, stats = run(ids, mask)
+            out = out.clone()
+            out[-1, -1] = (out[-1, -1] + 1) % 50
+            return out, stats
+
+        paths["dspark_hf"] = wrong
+        return paths
+
+    monkeypatch.setattr(batched, "_paths", broken)
+    assert cli.main(_bench_args(tiny_pair, "--batch-size", "2")) == 1
+    assert "dspark_hf" in capsys.readouterr().err

@@ -72,13 +72,13 @@ def _paths(target, drafts: dict, settings: BenchSettings, pad_token_id) -> dict:
     return paths
 
 
-def row_taus(stats: dict | None, batch: int) -> list[float]:
-    """Per-row tau from a call's stats (one sequence: its tau; a batch: each row's)."""
+def row_taus(stats: dict | None) -> list[float]:
+    """Per-row tau from a call's stats (one sequence: its tau; a batch: each row's), of the rows that took part in a
+    verify step (a row done at its first token has none)."""
     if stats is None:
         return []
-    if "rows" in stats:
-        return [row["mean_acceptance_length"] for row in stats["rows"]]
-    return [stats["mean_acceptance_length"]] * batch
+    rows = stats["rows"] if "rows" in stats else [stats]
+    return [row["mean_acceptance_length"] for row in rows if row["acceptance_lengths"]]
 
 
 def run_batched_bench(target, tokenizer, drafts: dict, samples, settings: BenchSettings, batch_sizes: list[int],
@@ -114,7 +114,7 @@ def run_batched_bench(target, tokenizer, drafts: dict, samples, settings: BenchS
                     sequences, stats = paths[name](ids, mask)
                 seconds[name] = time.perf_counter() - start
                 outputs[name] = sequences
-                per_path[name]["row_taus"] += row_taus(stats, len(batch))
+                per_path[name]["row_taus"] += row_taus(stats)
             call += 1
             tokens = sum(new_token_counts(outputs[BASELINE], ids.shape[1], eos_ids))
             for name in names:
