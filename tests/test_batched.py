@@ -241,3 +241,15 @@ def test_streamer_lookup_and_prefix_functions_are_refused():
     _refused("streamer", streamer=Quiet())
     _refused("prompt_lookup_num_tokens", prompt_lookup_num_tokens=3)
     _refused("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn=lambda batch, ids: [3, 4])
+
+
+def test_hook_capture_serves_batches_too():
+    """Remote-code targets hand over their states through forward hooks: the batched loop reads them the same way."""
+    target, draft = pair("deepseek_v3", "dspark")
+    draft.capture_mode = "hooks"
+    try:
+        plain, ours = generate_both(target, draft, [[3, 4, 5], [6], [7, 8]], max_new_tokens=24, eos_token_id=None)
+    finally:
+        draft.capture_mode = "auto"
+    assert ours.tolist() == plain.tolist()
+    assert not any(layer._forward_hooks for layer in target.model.layers)  # closed after the call
