@@ -27,7 +27,7 @@ class DFlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None:
+        if self._kernels is not None and not torch.compiler.is_compiling():  # compiled, inductor fuses the norm
             out = self._kernels("rms_norm", hidden_states, self.weight, self.variance_epsilon)
             if out is not None:
                 return out
@@ -219,6 +219,148 @@ class DFlashContextCache:
             self.positions = torch.gather(self.positions[rows], 1, columns)
 
 
+class StaticContextCache:
+    """`DFlashContextCache`'s interface over buffers preallocated to `max_context` entries per row and written in
+    place, so their addresses never change: what a compiled draft step replayed as a CUDA graph reads
+    (`DFlashDraftModel.compile_draft_step`).
+
+    Per layer, K and V are [R, KVH, max_context, D]; the positions are [R, max_context]. `reset` empties the cache
+    but keeps the buffers, so one cache serves every generate call of a draft (a larger batch or another dtype
+    reallocates them). A batch that drops rows (`reindex`) keeps using the first rows; the compiled step still reads
+    as many rows as the batch it started with (`step_buffers`), so its shapes never change within a generate call.
+    """
+
+    keeps_context_only = True
+    static_buffers = True  # what the draft's forward looks for (duck-typed, as `keeps_context_only`)
+
+    def __init__(self, max_context: int):
+        if max_context < 1:
+            raise ValueError(f"max_context={max_context}: the static context cache needs at least one entry.")
+        self.max_context = max_context
+        self._keys: list[torch.Tensor | None] = []  # per layer [R, KVH, max_context, D]
+        self._values: list[torch.Tensor | None] = []
+        self._positions: torch.Tensor | None = None  # [R, max_context]
+        self._valid: torch.Tensor | None = None  # [R, max_context] bool: the entries a step reads
+        self._lengths: list[int] = []  # entries written per layer (the layers append one after another)
+        self._positions_length = 0
+        self.rows = 0  # the batch in use
+        self._step_rows: int | None = None  # the batch this fill started with: the rows the compiled step reads
+
+    def reset(self) -> None:
+        """Forget every entry; the buffers (and so their addresses) stay."""
+        self._lengths = [0] * len(self._lengths)
+        self._positions_length, self.rows, self._step_rows = 0, 0, None
+
+    def get_seq_length(self) -> int:
+        return self._lengths[0] if self._lengths else 0
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return None if self._positions is None else self._positions[: self.rows, : self._positions_length]
+
+    def layer(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx < len(self._lengths) and self._lengths[layer_idx]:
+            end = self._lengths[layer_idx]
+            return self._keys[layer_idx][: self.rows, :, :end], self._values[layer_idx][: self.rows, :, :end]
+        empty = like.new_zeros(like.shape[0], 0, 0, 0)
+        return empty, empty
+
+    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self._lengths):
+            self._lengths.append(0)
+            self._keys.append(None)
+            self._values.append(None)
+        start = self._lengths[layer_idx]
+        end = self._check_room(start + k.shape[2])
+        self._start_rows(k.shape[0])
+        if start == 0:
+            shape = (k.shape[0], k.shape[1], self.max_context, k.shape[3])
+            self._keys[layer_idx] = _fit(self._keys[layer_idx], shape, k.dtype, k.device)
+            self._values[layer_idx] = _fit(self._values[layer_idx], shape, v.dtype, v.device)
+        self._keys[layer_idx][: self.rows, :, start:end] = k
+        self._values[layer_idx][: self.rows, :, start:end] = v
+        self._lengths[layer_idx] = end
+        return self._keys[layer_idx][: self.rows, :, :end], self._values[layer_idx][: self.rows, :, :end]
+
+    def append_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Record the positions [B, C] of the entries just appended; returns every entry's position."""
+        start = self._positions_length
+        end = self._check_room(start + positions.shape[1])
+        self._start_rows(positions.shape[0])
+        if start == 0:
+            shape = (positions.shape[0], self.max_context)
+            self._positions = _fit(self._positions, shape, positions.dtype, positions.device)
+            self._valid = _fit(self._valid, shape, torch.bool, positions.device)
+        self._positions[: self.rows, start:end] = positions
+        self._positions_length = end
+        return self.positions
+
+    def reindex(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
+        """Keep batch rows `rows` [B'] and, of row `rows[i]`, the entries `columns[i]` [B', C'] in that order, moved
+        to the first B' rows and C' entries of the same buffers."""
+        def take(t: torch.Tensor, end: int) -> torch.Tensor:
+            t = t[rows, :, :end]
+            index = columns.view(columns.shape[0], 1, columns.shape[1], 1).expand(-1, t.shape[1], -1, t.shape[3])
+            return torch.gather(t, 2, index)
+
+        kept = columns.shape[1]
+        for layer_idx, length in enumerate(self._lengths):
+            for buffers in (self._keys, self._values):
+                buffers[layer_idx][: rows.shape[0], :, :kept] = take(buffers[layer_idx], length)
+        if self._positions_length:
+            self._positions[: rows.shape[0], :kept] = torch.gather(self.positions[rows], 1, columns)
+        self._lengths = [kept] * len(self._lengths)
+        self._positions_length, self.rows = kept, rows.shape[0]
+
+    def step_buffers(self, attention_mask: torch.Tensor | None, block_len: int):
+        """What the compiled step reads, as many rows as the batch started with: per-layer keys and values, the
+        positions, and which entries to read: those written, narrowed by `attention_mask` [B, entries + block_len]
+        (1 = attend) when given; rewritten in place."""
+        rows, length = self._step_rows, self.get_seq_length()
+        valid = self._valid[:rows]
+        valid[:, length:] = False
+        if attention_mask is None:
+            valid[:, :length] = True
+        else:
+            valid[: self.rows, :length] = attention_mask[:, -(length + block_len) : attention_mask.shape[1] - block_len]
+        keys = [_static(k[:rows]) for k in self._keys]
+        values = [_static(v[:rows]) for v in self._values]
+        return keys, values, _static(self._positions[:rows]), _static(valid)
+
+    def _start_rows(self, rows: int) -> None:
+        if self.rows != rows and self.get_seq_length() + self._positions_length:
+            raise ValueError(f"The context cache holds {self.rows} rows; these entries have {rows}.")
+        self.rows = rows
+        if self._step_rows is None:
+            self._step_rows = rows
+
+    def _check_room(self, end: int) -> int:
+        if end > self.max_context:
+            raise ValueError(
+                f"The draft's static context cache holds max_context={self.max_context} entries per row, and this "
+                f"step needs {end}. Call `draft.compile_draft_step(max_context=...)` with at least the prompt length "
+                "plus max_new_tokens (batched generation also keeps rejected drafts' columns until it compacts them)."
+            )
+        return end
+
+
+def _fit(held: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`held` when it can hold `shape` (as many rows or more), else a new buffer. Zeros, never `empty`: the entries a
+    step masks still enter attention's matmul with weight 0, and 0 * NaN is NaN."""
+    if held is not None and held.shape[0] >= shape[0] and held.shape[1:] == shape[1:] and (
+        (held.dtype, held.device) == (dtype, torch.device(device))
+    ):
+        return held
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Mark a buffer view's address as fixed, so CUDA graphs read it in place instead of copying it in each replay
+    (a new address, after a reallocation, makes them re-record rather than recompile)."""
+    torch._dynamo.mark_static_address(t, guard=False)
+    return t
+
+
 def layer_attention_mask(attn: "DFlashAttention", mask, query_pos: torch.Tensor, key_pos: torch.Tensor):
     """`mask` (bool [B, 1, Q, K], or None for "all visible") narrowed to the layer's sliding window: keys within
     `sliding_window` positions of the query, and none after it when the layer is causal. Inference (one block after
@@ -233,4 +375,5 @@ def layer_attention_mask(attn: "DFlashAttention", mask, query_pos: torch.Tensor,
 
 
 __all__ = ["DFlashAttention", "DFlashContextCache", "DFlashDecoderLayer", "DFlashMLP", "DFlashRMSNorm",
-           "DFlashRotaryEmbedding", "apply_rope", "layer_attention_mask", "rms_norm", "rotate_half"]
+           "DFlashRotaryEmbedding", "StaticContextCache", "apply_rope", "layer_attention_mask", "rms_norm",
+           "rotate_half"]

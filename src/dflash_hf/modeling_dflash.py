@@ -31,6 +31,7 @@ from .layers_dflash import (
     DFlashDecoderLayer,
     DFlashRMSNorm,
     DFlashRotaryEmbedding,
+    StaticContextCache,
     layer_attention_mask,
 )
 
@@ -204,6 +205,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.generation_stats: dict = {}
         self._kernel_path = None  # this draft's kernel path (`_select_kernel_path`), handed to its norms
         self._kernel_path_chosen = False
+        self._draft_step: CompiledDraftStep | None = None  # `compile_draft_step`'s; off by default
         self.markov_head = self.confidence_head = None  # DSpark's heads; a DFlash draft walks without them
         self._build_heads(config)
         self.post_init()
@@ -341,6 +343,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         context_pos = None  # of every context key, where a sliding window needs them (else: just before the block)
         if getattr(cache, "keeps_context_only", False):
             context_pos = cache.append_positions(position_ids[:, :ctx_len])
+        if self._draft_step is not None and getattr(cache, "static_buffers", False):
+            for layer, (ctx_k, ctx_v) in zip(self.layers, all_context_kv):
+                cache.append(layer.self_attn.layer_idx, ctx_k, ctx_v)
+            return DFlashDraftOutput(last_hidden_state=self._draft_step(self, noise_embeds, query_pos, cache,
+                                                                        attention_mask))
         block_cos, block_sin = self.rotary_emb(query_pos, dtype)
         x = noise_embeds
         for layer, (ctx_k, ctx_v) in zip(self.layers, all_context_kv):
@@ -373,6 +380,33 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             context_pos = query_pos[:, :1] + torch.arange(-num_context, 0, device=query_pos.device)
         return layer_attention_mask(attn, mask, query_pos, torch.cat([context_pos, query_pos], 1))
 
+    def _static_block(self, x, query_pos, context_pos, context_valid, keys, values) -> torch.Tensor:
+        """The block forward at fixed shapes, what `compile_draft_step` compiles: each layer attends to its whole
+        context buffer (`keys`/`values` [B, KVH, max_context, D], at `context_pos`, the entries `context_valid`
+        [B, max_context] marks) and to the block `x` [B, b, H] at `query_pos` [B, b]; then the final norm."""
+        cos, sin = self.rotary_emb(query_pos, x.dtype)
+        key_pos = torch.cat([context_pos, query_pos], 1)
+        visible = torch.cat([context_valid, context_valid.new_ones(query_pos.shape)], 1)[:, None, None, :]
+        for layer, ctx_k, ctx_v in zip(self.layers, keys, values):
+            x = layer(x, cos, sin, (ctx_k, ctx_v), layer_attention_mask(layer.self_attn, visible, query_pos, key_pos))
+        return self.norm(x)
+
+    def compile_draft_step(self, max_context: int | None = 4096, backend="inductor", mode: str | None = None) -> None:
+        """Run each drafted block through one compiled graph at fixed shapes (off by default). `None` turns it off.
+
+        Afterwards `new_context_cache()` returns a `StaticContextCache` of `max_context` entries per row (the prompt
+        plus every generated token must fit; batched generation also counts rejected drafts' columns until it
+        compacts them), and the block forward (the draft layers and the final norm) runs `torch.compile`d with
+        `fullgraph=True`, reading the whole buffer under a mask, so its shapes never change. On CUDA, inductor's
+        "reduce-overhead" mode replays it as one CUDA graph instead of launching every op: worth it where the
+        draft is launch-bound; on a CPU it only adds compile time. The context's K/V (a new length every step) are
+        still computed eagerly and written into the buffers, and the heads (DSpark's and DFlash 2's walks) stay
+        eager. The first step of a generate call compiles (seconds to minutes); a new block size or starting batch
+        size compiles again. `backend` and `mode` go to `torch.compile` (mode None: "reduce-overhead" for inductor
+        on CUDA, torch's default elsewhere).
+        """
+        self._draft_step = None if max_context is None else CompiledDraftStep(max_context, backend, mode)
+
     # -- drafting ----------------------------------------------------------------------------------------------------
 
     def block_hidden(self, context_hidden: torch.Tensor, anchor_ids: torch.Tensor, cache: DFlashContextCache,
@@ -386,8 +420,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         return self(self.embed(block_ids), context_hidden, position_ids=position_ids, attention_mask=attention_mask,
                     cache=cache).last_hidden_state
 
-    def new_context_cache(self) -> DFlashContextCache:
-        return DFlashContextCache()
+    def new_context_cache(self) -> DFlashContextCache | StaticContextCache:
+        """An empty context cache for one generate call; with the compiled step on, the step's static cache, reset
+        (its buffers keep their addresses from call to call, so recorded CUDA graphs stay valid)."""
+        if self._draft_step is None:
+            return DFlashContextCache()
+        self._draft_step.cache.reset()
+        return self._draft_step.cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Flattened first: given a non-contiguous 3-D slice (the block's slots), matmul cannot fold the batch and
@@ -490,6 +529,40 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """The candidate generator `target.generate(assistant_model=self)` runs on; called by the generate hook,
         once per call (the generator and its books belong to that call)."""
         return DFlashCandidateGenerator(self, target, generation_config, logits_processor, input_ids)
+
+
+class CompiledDraftStep:
+    """`DFlashDraftModel._static_block` under `torch.compile` (see `compile_draft_step`), with the static cache it
+    reads. A batch that dropped rows is padded back to the rows the cache's step started with, so one graph serves
+    every step of a generate call."""
+
+    def __init__(self, max_context: int, backend, mode: str | None):
+        self.cache = StaticContextCache(max_context)
+        self.backend, self.mode = backend, mode
+        self._compiled = None  # compiled at first use, when the device (and so the mode) is known
+        self._cuda_graphs = False
+
+    def __call__(self, draft: "DFlashDraftModel", x, query_pos, cache: StaticContextCache, attention_mask):
+        keys, values, context_pos, context_valid = cache.step_buffers(attention_mask, x.shape[1])
+        # A slice of the caller's positions: its shape stays, its strides change (and would recompile the step).
+        query_pos = query_pos.clone(memory_format=torch.contiguous_format)
+        rows, padded = x.shape[0], context_valid.shape[0]
+        if rows < padded:
+            x = F.pad(x, (0, 0, 0, 0, 0, padded - rows))
+            query_pos = F.pad(query_pos, (0, 0, 0, padded - rows))
+        if self._compiled is None:
+            mode = self.mode
+            if mode is None and self.backend == "inductor" and x.is_cuda:
+                mode = "reduce-overhead"
+            self._cuda_graphs = x.is_cuda and mode in ("reduce-overhead", "max-autotune")
+            options = {} if mode is None else {"mode": mode}
+            self._compiled = torch.compile(draft._static_block, backend=self.backend, fullgraph=True, dynamic=False,
+                                           **options)
+        if self._cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        hidden = self._compiled(x, query_pos, context_pos, context_valid, keys, values)[:rows]
+        # A CUDA graph's output is overwritten by its next replay: hand out a copy.
+        return hidden.clone() if self._cuda_graphs else hidden
 
 
 class DSparkMarkovHead(nn.Module):
@@ -630,10 +703,12 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: 
 install_generate_hook()
 
 __all__ = [
+    "CompiledDraftStep",
     "DFlashContextCache",
     "DFlashDraftModel",
     "DSparkDraftModel",
     "DraftProposal",
+    "StaticContextCache",
     "check_finite_weights",
     "check_vocab_mapping",
     "markov_walk",
