@@ -12,9 +12,14 @@ a prompt's rows get the same attention whatever follows them; their matmuls stil
 whose first forward carries the prompt *and* candidates (prompt lookup) is not guaranteed exact in bf16, while ours,
 which prefills the prompt alone, is.
 
+A batch (padding, or the holes batched speculation leaves) goes the same way, one (row, query) at a time over the
+keys its mask leaves visible, gathered in order: each row then gets what it would get alone, in plain batched
+generate and in batched speculation alike (as far as the matmuls stay row-invariant: the whole forward's rows
+within `EXACT_VERIFY_ROWS`).
+
 Use it by loading the target with `attn_implementation=EXACT_ATTENTION` (after `import dflash_hf`) or calling
-`target.set_attn_implementation(EXACT_ATTENTION)`. What it cannot make exact (batches above one, masks that are not
-a causal prefix such as padding or sliding windows, position biases) goes through transformers' SDPA unchanged.
+`target.set_attn_implementation(EXACT_ATTENTION)`. What it cannot make exact (position biases, soft-capping, masks
+that are not boolean-like) goes through transformers' SDPA unchanged.
 """
 
 import torch
@@ -71,6 +76,33 @@ def _decode_call_kwargs(module, key, value, kwargs) -> dict | None:
     return {}
 
 
+def _batch_row_by_row(query, key, value, attention_mask, dropout, scaling, direct) -> torch.Tensor | None:
+    """A batch's attention, one (row, query) at a time over the keys its boolean-like mask leaves visible, as the
+    decode of that row alone would call it; None where the mask is not a [B, 1, Q, K] boolean or additive 0/-inf."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:  # causal, no padding: the block is the last q_len positions
+        ends = torch.arange(kv_len - q_len, kv_len, device=query.device)
+        visible = (torch.arange(kv_len, device=query.device)[None, :] <= ends[:, None])[None, None]
+    elif attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return None
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask
+    else:
+        visible = attention_mask == 0
+        if bool((~visible & (attention_mask > torch.finfo(attention_mask.dtype).min)).any()):
+            return None  # an additive bias, not a visibility mask
+    visible = visible.expand(query.shape[0], 1, q_len, kv_len)
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])  # [B, Q, heads, D]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for b in range(query.shape[0]):
+        for q in range(q_len):
+            keys = visible[b, 0, q].nonzero()[:, 0]
+            if keys.numel():  # a padding query sees nothing: its output is never read
+                out[b, q] = sdpa(query[b : b + 1, :, q : q + 1], key[b : b + 1, :, keys], value[b : b + 1, :, keys],
+                                 dropout_p=dropout, scale=scaling, **direct)[0, :, 0]
+    return out
+
+
 def row_exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """SDPA, one query row at a time over its own visible keys (see the module docstring)."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -78,6 +110,12 @@ def row_exact_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if q_len > 1 and query.shape[0] == 1 and kwargs.get("position_bias") is None:
         counts = _counts_for(attention_mask, q_len, kv_len)
     if counts is None:
+        if query.shape[0] > 1 and kwargs.get("position_bias") is None:
+            direct = _decode_call_kwargs(module, key, value, {k: v for k, v in kwargs.items() if k != "is_causal"})
+            out = None if direct is None else _batch_row_by_row(query, key, value, attention_mask, dropout, scaling,
+                                                                  direct)
+            if out is not None:
+                return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kwargs.pop("is_causal", None)
