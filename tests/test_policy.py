@@ -217,3 +217,18 @@ def test_a_written_off_source_is_tried_again():
         passed_over += 1
         assert passed_over < 200, "never tried again"
     assert passed_over > 10  # but not at once
+
+
+def test_a_batch_size_not_measured_borrows_the_nearest_larger_one():
+    """Rows finishing shrink a batch one size at a time: each size starts from its neighbours' costs, not from zero."""
+    measured = MeasuredCosts()
+    measured.verify_table(8).observe(1, 0.2)
+    measured.verify_table(8).observe(4, 0.3)
+    measured.verify_table(2).observe(1, 0.1)
+    assert measured.verify_estimate(6, 4) == 0.3  # the larger neighbour: an upper bound
+    assert measured.verify_estimate(6, 1) == 0.2
+    assert measured.verify_estimate(12, 1) == 0.2  # nothing larger: the nearest smaller
+    assert measured.verify_estimate(2, 1) == 0.1  # its own, once measured
+    assert measured.verify_estimate(1, 1) == 0.1 and measured.verify_estimate(1, 4) == 0.3
+    policy = LengthPolicy(measured, max_slots=7, batch=6)
+    assert policy.plan_draft("draft")[0] > 0  # no decode step spent measuring what is known

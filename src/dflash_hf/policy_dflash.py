@@ -127,6 +127,20 @@ class MeasuredCosts:
     def verify_table(self, batch: int = 1) -> CostTable:
         return self.verify if batch == 1 else self.batched_verify.setdefault(batch, CostTable())
 
+    def verify_estimate(self, batch: int, rows: int) -> float | None:
+        """Seconds to verify `rows` per sequence for `batch` sequences. A batch size not measured yet (a batched call
+        whose rows are finishing) borrows the nearest larger batch's cost, an upper bound, else the nearest smaller's,
+        rather than measuring every size from scratch."""
+        own = self.verify_table(batch).estimate(rows)
+        if own is not None:
+            return own
+        sizes = sorted({1, *self.batched_verify} - {batch}, key=lambda b: (b < batch, abs(b - batch)))
+        for size in sizes:
+            seconds = self.verify_table(size).estimate(rows)
+            if seconds is not None:
+                return seconds
+        return None
+
     def draft_table(self, source: str, batch: int = 1) -> CostTable:
         return self.draft.setdefault(source if batch == 1 else f"{source} x{batch}", CostTable())
 
@@ -169,10 +183,9 @@ class LengthPolicy:
         """(k, expected tokens, estimated seconds) with the best expected rate, of `expected[k]` tokens for proposing
         k; `draft_seconds(k)` is the drafting cost of k slots (0 for prompt lookup). Unknown costs make the largest k
         the answer (measure it)."""
-        verify_table = self.costs.verify_table(self.batch)
         best = None
         for k in range(0 if allow_zero else 1, len(expected)):
-            verify = verify_table.estimate(k + 1)
+            verify = self.costs.verify_estimate(self.batch, k + 1)
             draft = draft_seconds(k) if k else 0.0
             seconds = None if verify is None or draft is None else verify + draft
             rate = self._rate(expected[k], seconds)
@@ -189,7 +202,7 @@ class LengthPolicy:
         if not self.adaptive:
             return self.max_slots, False
         with self.costs.lock:
-            if self.costs.verify_table(self.batch).estimate(1) is None:
+            if self.costs.verify_estimate(self.batch, 1) is None:
                 return 0, False  # measure a decode step first
             expected = [self.batch * e for e in expected_tokens(self.costs.rates(source).rates(self.max_slots))]
             table = self.costs.draft_table(source, self.batch)
