@@ -303,6 +303,32 @@ def test_trainer_reads_shards(tiny_pair, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["total"]["answers"] == 32
 
 
+def test_follow_ups_of_mined_prompts_are_rebuilt_not_stored(tiny_pair, tmp_path):
+    target, tokenizer = tiny_pair
+    mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(3000)]
+    index = shards.shard_of(mined[0]["id"], "mined")
+    mined = [m for m in mined if shards.shard_of(m["id"], "mined") == index]
+    built = prefilled_corpus(tmp_path, {"mined": mined})
+    answer = tokenizer.encode("Here is how to implement it, step by step. ") + [2]
+    shards.write_shard(tmp_path / "shards" / f"mined-{index:04d}.npz",
+                       [shard_record(m["id"], shards.prompt_ids(tokenizer, m), answer, stored=False) for m in mined],
+                       {"part": "mined"})
+    shards.generate_corpus(target, tokenizer, tmp_path, shards.GenerationConfig(max_new_tokens=4),
+                           written_prompts=0, parts=("mined",), corpus_obj=built)
+    _, derived = shards.read_shard(tmp_path / "shards" / f"derived-mined-{index:04d}.npz")
+    follow_ups = [r for r in derived if r["source"] == "derived:follow-up"]
+    assert follow_ups and all(r["prompt_ids"] is None for r in follow_ups)  # they quote the mined prompt
+    assert all(r["prompt_ids"] is not None for r in derived if r["source"] != "derived:follow-up")
+    fresh = prefilled_corpus(tmp_path, {"mined": mined})  # a later session: nothing cached
+    records = {r["id"]: r for r in shards.load_corpus_records(tmp_path, tokenizer, corpus_obj=fresh)}
+    assert len(records) == len(mined) + len(derived)
+    for record in follow_ups:
+        conversation = records[record["id"]]["input_ids"]
+        answer_ids = record["answer_ids"]
+        assert tokenizer.decode(conversation).count("Implement f") == 1
+        assert conversation[len(conversation) - len(answer_ids) :] == answer_ids
+
+
 def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path):
     from dflash_hf.training.cli import train_draft
     from dflash_hf.training.data import DataConfig

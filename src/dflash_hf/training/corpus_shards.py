@@ -183,26 +183,20 @@ class Corpus:
         for part in BASE_PARTS:
             for items in self.part(part).values():
                 found.update({item["id"]: item for item in items if item["id"] in ids})
-        derived_shards = {(f"derived-{p}", int(i)) for p, i in (_split_name(n) for n in _derived_sources(ids))}
-        for part, index in sorted(derived_shards):
+        for part, index in sorted(_derived_shards(ids)):
             found.update({item["id"]: item for item in self.items(part, index, tokenizer) if item["id"] in ids})
         return found
 
 
-def _split_name(name: str) -> tuple[str, str]:
-    part, index = name.rsplit("-", 1)
-    return part, index
-
-
-def _derived_sources(ids: set[str]) -> set[str]:
-    """Parent shard names of derived ids (`derived:<parent id>:<kind>`)."""
-    names = set()
+def _derived_shards(ids: set[str]) -> set[tuple[str, int]]:
+    """(part, index) of the derived shards holding these ids (`derived:<parent id>:<kind>`)."""
+    found = set()
     for item_id in ids:
         if item_id.startswith("derived:"):
             parent = item_id.removeprefix("derived:").rsplit(":", 1)[0]
             part = PREFIX_PARTS[parent.split(":", 1)[0]]
-            names.add(shard_name(part, shard_of(parent, part)))
-    return names
+            found.add((f"derived-{part}", shard_of(parent, part)))
+    return found
 
 
 def prompt_ids(tokenizer, item: dict) -> list[int]:
