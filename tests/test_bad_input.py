@@ -270,9 +270,7 @@ def test_item8_speculators_090_dspark_loads_generates_and_exports(folders, tmp_p
     assert {k: v for k, v in written[0].items() if k not in strip} == \
         {k: v for k, v in shipped[0].items() if k not in strip}
     again = load_draft(tmp_path / "out")
-    # (generating bound the draft to the target, which gave its config the target's special token ids)
-    bound = {"_name_or_path": "", "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    assert again.config.to_dict() | bound == draft.config.to_dict() | bound
+    assert again.config.to_dict() | {"_name_or_path": ""} == draft.config.to_dict() | {"_name_or_path": ""}
     export_draft(again, tmp_path / "hf")  # and ours, read back by transformers
     config = AutoModel.from_pretrained(tmp_path / "hf").config
     assert config.shares_target_input_embedding and not config.shares_target_lm_head

@@ -195,7 +195,9 @@ def test_pipeline_with_batch_size_and_a_draft(tmp_path):
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, padding_side="left")
     draft = load_draft(draft_dir)
-    draft.bind_target(target)  # the pipeline compares the special token ids of the two before it generates
+    # The pipeline compares the two configs' special token ids before it generates; the draft speaks the target's.
+    draft.config.update({name: getattr(target.config, name) for name in ("bos_token_id", "eos_token_id",
+                                                                         "pad_token_id")})
     prompts = ["ab", "a longer prompt", "abab", "x"]
     plain = pipeline("text-generation", model=target, tokenizer=tokenizer, batch_size=4)
     ours = pipeline("text-generation", model=target, tokenizer=tokenizer, batch_size=4, assistant_model=draft)

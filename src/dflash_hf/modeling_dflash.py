@@ -219,12 +219,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     # -- embeddings borrowed from the target ---------------------------------------------------------------------------
 
     def bind_target(self, target: PreTrainedModel) -> None:
-        """Borrow the target's input embedding and/or lm_head, whichever the checkpoint has none of its own of, and
-        take its special token ids (the draft speaks its vocabulary; `pipeline(assistant_model=draft)` compares them
-        before it generates, so bind first there)."""
-        text_config = target.config.get_text_config(decoder=True)
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(self.config, name, getattr(text_config, name, None))
+        """Borrow the target's input embedding and/or lm_head, whichever the checkpoint has none of its own of."""
         borrowed = {
             "embedding": (self.config.shares_target_input_embedding, target.get_input_embeddings),
             "lm_head": (self.config.shares_target_lm_head, target.get_output_embeddings),
