@@ -131,7 +131,6 @@ class BatchedSpeculation:
                  model_kwargs: dict, settings):
         self.target, self.draft, self.settings = target, draft, settings
         self.policy = settings.policy
-        self.config = generation_config
         self.do_sample = bool(generation_config.do_sample)
         self.processors = logits_processor if logits_processor else LogitsProcessorList()
         self.row_wise = all(isinstance(p, ROW_WISE_PROCESSORS) for p in self.processors)
@@ -146,12 +145,12 @@ class BatchedSpeculation:
         self.cache = model_kwargs["cache"]
         batch, prompt_len = input_ids.shape
         device = input_ids.device
-        self.max_length = generation_config.max_length
-        self.tokens = torch.full((batch, max(self.max_length, prompt_len)), self.pad_id, dtype=input_ids.dtype,
+        max_length = generation_config.max_length
+        self.tokens = torch.full((batch, max(max_length, prompt_len)), self.pad_id, dtype=input_ids.dtype,
                                  device=device)
         self.tokens[:, :prompt_len] = input_ids
         self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=device)  # each row's, pads included
-        self.limit = torch.full((batch,), self.max_length, dtype=torch.long, device=device)
+        self.limit = torch.full((batch,), max_length, dtype=torch.long, device=device)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # a criterion fired (no EOS padding)
         self.rows = torch.arange(batch, device=device)  # the original index of each row still in the batch
         mask = model_kwargs.get("attention_mask")
