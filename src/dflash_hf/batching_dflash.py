@@ -31,6 +31,8 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .layers_dflash import gather_columns
+
 # Close the holes (and the left padding) once they make up this share of the cache's columns: attention over masked
 # columns costs what attention over real ones does, while a compaction copies the whole cache once.
 COMPACT_HOLE_FRACTION = 0.5
@@ -80,15 +82,6 @@ def right_aligned(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index = order[:, valid.shape[1] - width:]
     new_valid = torch.arange(width, device=valid.device)[None, :] >= (width - counts)[:, None]
     return index, new_valid
-
-
-def gather_columns(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
-    """`t` with, in each batch row, the entries `index` [B, W] along `dim`."""
-    shape = [1] * t.dim()
-    shape[0], shape[dim] = index.shape
-    expand = list(t.shape)
-    expand[dim] = index.shape[1]
-    return torch.gather(t, dim, index.view(shape).expand(expand))
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +135,9 @@ class BatchedSpeculation:
         pad = getattr(generation_config, "_pad_token_tensor", None)
         self.pad_id = int(pad) if pad is not None else 0
         self.model_kwargs = model_kwargs
+        # What every verify forward passes on unchanged (the prefill's mask, positions and cache are replaced per step).
+        self.step_kwargs = {key: value for key, value in model_kwargs.items()
+                            if key not in ("attention_mask", "position_ids", "cache")}
         self.cache = model_kwargs["cache"]
         batch, prompt_len = input_ids.shape
         device = input_ids.device
@@ -211,10 +207,8 @@ class BatchedSpeculation:
         block = torch.cat([last[:, None], candidates], 1)
         positions = next_pos[:, None] + torch.arange(k + 1, device=block.device)
         mask = torch.cat([self.valid, self.valid.new_ones(len(rows), k + 1)], 1).long()
-        kwargs = {key: value for key, value in self.model_kwargs.items() if key not in ("attention_mask",
-                                                                                      "position_ids", "cache")}
         inputs = self.target.prepare_inputs_for_generation(block, cache=self.cache, attention_mask=mask,
-                                                           position_ids=positions, **kwargs)
+                                                           position_ids=positions, **self.step_kwargs)
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = k + 1
         inputs |= self.capture.model_kwargs_overrides
@@ -395,7 +389,7 @@ class BatchedSpeculation:
         if self.pending is not None:
             self.pending = gather_columns(self.pending[kept.to(self.pending.device)], new_index.to(self.pending.device),
                                           1)
-        self.column_pos = torch.gather(self.column_pos[kept], 1, index)
+        self.column_pos = gather_columns(self.column_pos[kept], index, 1)
         self.valid = torch.cat([read_valid, new_valid], 1)
         self.context_columns = read_index.shape[1]
         self.rows = self.rows[kept]

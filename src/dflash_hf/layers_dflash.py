@@ -168,6 +168,16 @@ class DFlashDecoderLayer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def gather_columns(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` with, in each batch row i, the entries `index[i]` ([B, W]) along `dim`, in that order: how a batch keeps
+    each row's own columns (its real context, once finished rows leave and holes close)."""
+    shape = [1] * t.dim()
+    shape[0], shape[dim] = index.shape
+    expand = list(t.shape)
+    expand[dim] = index.shape[1]
+    return torch.gather(t, dim, index.view(shape).expand(expand))
+
+
 class DFlashContextCache:
     """Per-layer K/V of the *context* (verified) tokens only; block entries are never stored.
 
@@ -208,15 +218,10 @@ class DFlashContextCache:
     def reindex(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
         """Keep batch rows `rows` [B'] and, of row `rows[i]`, the entries `columns[i]` [B', C'] in that order (a
         batched generation dropping finished rows and closing the holes rejected drafts left)."""
-        def take(t: torch.Tensor) -> torch.Tensor:
-            t = t[rows]
-            index = columns.view(columns.shape[0], 1, columns.shape[1], 1).expand(-1, t.shape[1], -1, t.shape[3])
-            return torch.gather(t, 2, index)
-
-        self.keys = [take(k) for k in self.keys]
-        self.values = [take(v) for v in self.values]
+        self.keys = [gather_columns(k[rows], columns, 2) for k in self.keys]
+        self.values = [gather_columns(v[rows], columns, 2) for v in self.values]
         if self.positions is not None:
-            self.positions = torch.gather(self.positions[rows], 1, columns)
+            self.positions = gather_columns(self.positions[rows], columns, 1)
 
 
 class StaticContextCache:
@@ -298,17 +303,13 @@ class StaticContextCache:
     def reindex(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
         """Keep batch rows `rows` [B'] and, of row `rows[i]`, the entries `columns[i]` [B', C'] in that order, moved
         to the first B' rows and C' entries of the same buffers."""
-        def take(t: torch.Tensor, end: int) -> torch.Tensor:
-            t = t[rows, :, :end]
-            index = columns.view(columns.shape[0], 1, columns.shape[1], 1).expand(-1, t.shape[1], -1, t.shape[3])
-            return torch.gather(t, 2, index)
-
         kept = columns.shape[1]
         for layer_idx, length in enumerate(self._lengths):
             for buffers in (self._keys, self._values):
-                buffers[layer_idx][: rows.shape[0], :, :kept] = take(buffers[layer_idx], length)
+                buffers[layer_idx][: rows.shape[0], :, :kept] = gather_columns(buffers[layer_idx][rows, :, :length],
+                                                                               columns, 2)
         if self._positions_length:
-            self._positions[: rows.shape[0], :kept] = torch.gather(self.positions[rows], 1, columns)
+            self._positions[: rows.shape[0], :kept] = gather_columns(self.positions[rows], columns, 1)
         self._lengths = [kept] * len(self._lengths)
         self._positions_length, self.rows = kept, rows.shape[0]
 
@@ -375,5 +376,5 @@ def layer_attention_mask(attn: "DFlashAttention", mask, query_pos: torch.Tensor,
 
 
 __all__ = ["DFlashAttention", "DFlashContextCache", "DFlashDecoderLayer", "DFlashMLP", "DFlashRMSNorm",
-           "DFlashRotaryEmbedding", "StaticContextCache", "apply_rope", "layer_attention_mask", "rms_norm",
-           "rotate_half"]
+           "DFlashRotaryEmbedding", "StaticContextCache", "apply_rope", "gather_columns", "layer_attention_mask",
+           "rms_norm", "rotate_half"]
