@@ -386,3 +386,15 @@ def test_a_batched_path_that_differs_fails_loudly(tiny_pair, monkeypatch, capsys
     monkeypatch.setattr(batched, "_paths", broken)
     assert cli.main(_bench_args(tiny_pair, "--batch-size", "2")) == 1
     assert "dspark_hf" in capsys.readouterr().err
+
+
+def test_paths_keeps_the_baseline_and_the_named_paths(tiny_pair, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(_bench_args(tiny_pair, "--max-samples", "1", "--paths", "dspark_hf", "--json", str(out))) == 0
+    report = json.loads(out.read_text())
+    ok = [name for name, path in report["paths"].items() if path["status"] == "ok"]
+    assert ok == ["baseline", "dspark_hf"] and report["exact"] is True
+    assert report["paths"]["dflash_hf"]["reason"] == "not asked for (--paths)"
+    assert cli.main(_bench_args(tiny_pair, "--paths", "dspark", "--no-progress")) == 2
+    err = capsys.readouterr().err
+    assert "--paths: no path named dspark" in err and "dspark_hf" in err

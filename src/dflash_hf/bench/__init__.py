@@ -47,6 +47,7 @@ from .paths import (
     BenchSettings,
     GenerateFn,
     build_paths,
+    keep_paths,
 )
 from .recorder import ForwardLog, ForwardRecorder
 from .report import SCHEMA_NAME, SCHEMA_VERSION, build_report, format_table, machine_info, plot_report, summarize_path
@@ -80,6 +81,7 @@ __all__ = [
     "acceptance_from_starts",
     "add_parser",
     "build_paths",
+    "keep_paths",
     "build_report",
     "check_same_tokens",
     "encode_turns",

@@ -9,7 +9,8 @@ import torch
 
 from ..defaults import DTYPE_HELP
 from .datasets import BUILTIN_DATASETS, DatasetUnavailableError, load_samples, select_samples
-from .paths import DEFAULT_PROMPT_LOOKUP_TOKENS, POLICIES, WARMUP_NEW_TOKENS, BenchSettings, build_paths
+from .paths import (DEFAULT_PROMPT_LOOKUP_TOKENS, POLICIES, WARMUP_NEW_TOKENS, BenchSettings, build_paths,
+                    keep_paths)
 from .report import _load_average, build_report, format_table, machine_info, plot_report
 from .runner import BenchMismatchError, run_bench
 
@@ -36,6 +37,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", choices=POLICIES, default="auto",
                         help="our paths' speculation length: auto (by measured cost), fixed (full blocks), or both")
+    parser.add_argument("--paths", nargs="+", default=None, metavar="NAME",
+                        help="run only these paths beside the baseline (e.g. dspark_hf dflash2_hf; names as in the "
+                             "table)")
     parser.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
                         help="batches of B prompts per generate call (one or more sizes): total tokens/s of ours "
                              "against plain batched generate, and per-row tau (first turns only)")
@@ -130,6 +134,11 @@ def run(args) -> int:
         return _run_batched(args, target, tokenizer, drafts, samples, settings, models)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     paths, skipped, extra = build_paths(target, drafts, settings, pad_token_id=pad)
+    try:
+        paths, skipped = keep_paths(paths, skipped, args.paths)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for kind, note in models["drafts"].items():
         if note["trained"] is False:
             print(f"note: the {kind} draft is RANDOMLY INITIALISED (no trained draft shipped): expect tau ~ 1.")

@@ -175,3 +175,19 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
             paths.append(BenchPath(ZLAB, "z-lab dflash.model.dflash_generate (PyPI dflash), same DFlash weights",
                                    run_zlab))
     return paths, skipped, extra_modules
+
+
+def keep_paths(paths: list[BenchPath], skipped: dict[str, str], names: list[str] | None,
+               ) -> tuple[list[BenchPath], dict[str, str]]:
+    """The baseline and the paths `names` asks for (`--paths`); the others reported as skipped, so a long bench can
+    run only the rows it is about. An unknown name raises ValueError listing the known ones."""
+    if not names:
+        return paths, skipped
+    known = [path.name for path in paths] + list(skipped)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"--paths: no path named {', '.join(unknown)} in this run; its paths are {', '.join(known)}")
+    wanted = {BASELINE, *names}
+    kept = [path for path in paths if path.name in wanted]
+    dropped = {path.name: "not asked for (--paths)" for path in paths if path.name not in wanted}
+    return kept, {**{name: why for name, why in skipped.items() if name in wanted}, **dropped}
