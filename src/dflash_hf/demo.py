@@ -24,7 +24,7 @@ from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 logger = logging.getLogger(__name__)
 
-# The kinds a demo offers, in the order of its switch; a DFlash 2 draft appears when one is given (none is embedded).
+# The kinds a demo offers, in the order of its switch.
 KINDS = ("dflash", "dspark", "dflash2")
 
 try:  # ZeroGPU Spaces hand out a GPU per call through this decorator; elsewhere generation runs where the models are.
@@ -226,7 +226,7 @@ class DemoModels:
                 logger.warning("Two %s drafts given; using %s", kind, draft_id)
             loaded[kind], notes[kind] = draft, f"`{draft_id}`"
         if not drafts:
-            for kind in ("dflash", "dspark"):
+            for kind in KINDS:
                 if target is None:
                     draft, trained = load_default_draft(target_model, kind)
                 else:

@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", default=None, help="target model id or folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", default=None, help="draft id or folder (default: the embedded draft)")
     parser.add_argument("--kind", choices=("dflash", "dspark", "dflash2"), default="dspark",
-                        help="embedded draft to use when --draft is not given (no DFlash 2 draft is embedded yet)")
+                        help="embedded draft to use when --draft is not given")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
@@ -48,14 +48,6 @@ def load_pair(target_id, draft_id, kind, dtype="auto"):
 
 
 def run(args) -> int:
-    import sys
-
-    from .defaults import SHIPPED_DRAFTS
-
-    if args.draft is None and args.kind not in SHIPPED_DRAFTS:  # before the target loads: nothing to wait for
-        print(f"error: no {args.kind} draft is embedded in dflash-hf yet, and a random one would show nothing: give "
-              f"one with --draft PATH (e.g. made by `dflash-hf train --kind {args.kind}`).", file=sys.stderr)
-        return 2
     target, tokenizer, draft, note = load_pair(args.target, args.draft, args.kind, args.dtype)
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

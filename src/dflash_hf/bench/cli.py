@@ -14,8 +14,8 @@ from .paths import (DEFAULT_PROMPT_LOOKUP_TOKENS, POLICIES, WARMUP_NEW_TOKENS, B
 from .report import _load_average, build_report, format_table, machine_info, plot_report
 from .runner import BenchMismatchError, run_bench
 
-# The kinds with an embedded draft (`defaults.SHIPPED_DRAFTS`, trained or, until shipped, random); `--kind both`.
-EMBEDDED_KINDS = ("dflash", "dspark")
+# The kinds with an embedded draft (`defaults.SHIPPED_DRAFTS`); `--kind both` is the first two, `all` every one.
+EMBEDDED_KINDS = ("dflash", "dspark", "dflash2")
 
 
 def add_parser(subparsers) -> None:
@@ -25,9 +25,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft", action="append", default=None,
                         help="draft id or folder; repeat for a DFlash, a DSpark and a DFlash 2 draft (default: the "
                              "embedded ones)")
-    parser.add_argument("--kind", choices=(*EMBEDDED_KINDS, "dflash2", "both"), default="both",
-                        help="which embedded drafts to bench when --draft is not given (both: dflash and dspark; no "
-                             "DFlash 2 draft is embedded yet: give one with --draft)")
+    parser.add_argument("--kind", choices=(*EMBEDDED_KINDS, "both", "all"), default="both",
+                        help="which embedded drafts to bench when --draft is not given (both: dflash and dspark; all: "
+                             "dflash2 too)")
     parser.add_argument("--max-samples", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None, help="override the drafts' block size")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactness is then enforced)")
@@ -60,9 +60,6 @@ def load_models(target_id: str | None, draft_ids: list[str] | None, kind: str, d
     """(target, tokenizer, {kind: draft}, models note for the JSON)."""
     from ..defaults import SMOLLM2_GGUF, load_default_draft, load_target
 
-    if not draft_ids and kind not in (*EMBEDDED_KINDS, "both"):  # before the target loads: nothing to wait for
-        raise ValueError(f"No trained {kind} draft is embedded in dflash-hf yet, and a random one would measure "
-                         f"nothing: give one with --draft PATH (e.g. made by `dflash-hf train --kind {kind}`).")
     target, tokenizer = load_target(target_id, dtype)
     name = f"embedded SmolLM2-135M-Instruct ({SMOLLM2_GGUF})" if target_id is None else target_id
     models = {"target": name, "target_dtype": str(target.dtype).removeprefix("torch."),
@@ -78,7 +75,7 @@ def load_models(target_id: str | None, draft_ids: list[str] | None, kind: str, d
             drafts[found] = draft
             models["drafts"][found] = {"source": draft_id, "trained": None}
     else:
-        for name in (EMBEDDED_KINDS if kind == "both" else (kind,)):
+        for name in {"both": EMBEDDED_KINDS[:2], "all": EMBEDDED_KINDS}.get(kind, (kind,)):
             draft, trained = load_default_draft(target, name)
             drafts[name] = draft
             models["drafts"][name] = {"source": "embedded" if trained else "random (no trained draft shipped)",

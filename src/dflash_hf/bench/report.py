@@ -88,16 +88,18 @@ def _load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def machine_info() -> dict:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (a speed claim names it: CPUs with and without AMX differ several-fold)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
-        cpu = names[0] if names else cpu
     except OSError:
-        pass
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    import transformers
 
     def version(dist: str):
         try:
@@ -106,7 +108,7 @@ def machine_info() -> dict:
             return None
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
