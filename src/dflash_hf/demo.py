@@ -18,14 +18,14 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from .defaults import DTYPE_HELP
+from .defaults import DTYPE_HELP, SHIPPED_DRAFTS
 from .exact_attention import EXACT_VERIFY_ROWS
 from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 logger = logging.getLogger(__name__)
 
 # The kinds a demo offers, in the order of its switch.
-KINDS = ("dflash", "dspark", "dflash2")
+KINDS = tuple(SHIPPED_DRAFTS)
 
 try:  # ZeroGPU Spaces hand out a GPU per call through this decorator; elsewhere generation runs where the models are.
     import spaces

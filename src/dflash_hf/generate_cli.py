@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from .defaults import DTYPE_HELP
+from .defaults import DTYPE_HELP, SHIPPED_DRAFTS
 from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--target", default=None, help="target model id or folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--draft", default=None, help="draft id or folder (default: the embedded draft)")
-    parser.add_argument("--kind", choices=("dflash", "dspark", "dflash2"), default="dspark",
+    parser.add_argument("--kind", choices=tuple(SHIPPED_DRAFTS), default="dspark",
                         help="embedded draft to use when --draft is not given")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=None, help="override the draft's block size")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..defaults import DTYPE_HELP
+from ..defaults import DTYPE_HELP, SHIPPED_DRAFTS
 from .datasets import BUILTIN_DATASETS, DatasetUnavailableError, load_samples, select_samples
 from .paths import (DEFAULT_PROMPT_LOOKUP_TOKENS, POLICIES, WARMUP_NEW_TOKENS, BenchSettings, build_paths,
                     keep_paths)
@@ -15,7 +15,7 @@ from .report import _load_average, build_report, format_table, machine_info, plo
 from .runner import BenchMismatchError, run_bench
 
 # The kinds with an embedded draft (`defaults.SHIPPED_DRAFTS`); `--kind both` is the first two, `all` every one.
-EMBEDDED_KINDS = ("dflash", "dspark", "dflash2")
+EMBEDDED_KINDS = tuple(SHIPPED_DRAFTS)
 
 
 def add_parser(subparsers) -> None:

@@ -240,8 +240,8 @@ from {vocab}.{heads}
 {evaluation}
 ## Limits
 - Made for this exact target; useless with another one.
-- A small training budget ({budget}): acceptance is far below what drafts trained on hundreds of thousands of answers
-  reach.
+- A small training budget ({budget}): acceptance is far below what drafts trained on
+  hundreds of thousands of answers reach.
 """
 
 
