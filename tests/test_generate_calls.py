@@ -137,6 +137,22 @@ def test_per_call_block_size_leaves_the_draft_config_alone():
                         assistant_model=draft)
 
 
+def test_our_settings_are_generate_keyword_arguments():
+    """`generate(..., dflash_block_size=3, dflash_policy="fixed")` as transformers takes its own settings; a misspelt
+    one is still refused by name."""
+    target = tiny_target("llama")
+    draft = random_dflash(target, block_size=6, layer_ids=[1, 2])
+    ids = torch.tensor([[1, 5, 7]])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=10)
+    out = target.generate(ids, do_sample=False, max_new_tokens=10, assistant_model=draft, dflash_block_size=3,
+                          dflash_policy="fixed")
+    assert torch.equal(out, expected)
+    assert [step["k"] for step in draft.generation_stats["policy"]][:3] == [2, 2, 2]  # fixed: full blocks of 3
+    assert not hasattr(target.generation_config, "dflash_block_size")  # this call only
+    with pytest.raises(ValueError, match="dflash_polcy"):
+        target.generate(ids, max_new_tokens=4, assistant_model=draft, dflash_polcy="fixed")
+
+
 def test_the_wrapped_generation_api_is_checked():
     """The installed transformers has every method and parameter the hook wraps; a release without them is named."""
     check_patchable()  # the installed version

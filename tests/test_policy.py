@@ -12,6 +12,7 @@ from dflash_hf.policy_dflash import (
     PROBE_INTERVAL,
     PROBE_INTERVAL_MAX,
     AcceptanceRates,
+    ConfidenceCalibration,
     CostTable,
     LengthPolicy,
     MeasuredCosts,
@@ -88,6 +89,28 @@ def test_the_confidence_head_cuts_the_block():
     assert k == 2 and expected == pytest.approx(1 + 0.95 + 0.95 * 0.9)
     assert seconds == pytest.approx(0.14)  # the draft is paid for: only the verify weighs
     assert policy.choose("draft", 7, [0.1] * 7)[0] == 0  # a likely miss is not worth its rows
+
+
+def test_calibration_maps_predictions_to_observed_acceptance():
+    calibration = ConfidenceCalibration()
+    assert calibration([0.05, 0.62, 0.97]) == pytest.approx([0.05, 0.62, 0.97])  # nothing seen: taken at its word
+    for step in range(100):  # the head says 0.6 at both slots; the target accepts the first a third of the time
+        calibration.observe([0.62, 0.61, 0.9], accepted=1 if step % 3 == 0 else 0)
+    low, mid, high = calibration([0.05, 0.65, 0.97])
+    assert low == pytest.approx(0.05) and high == pytest.approx(0.97)  # bins never tested keep the prediction
+    assert mid == pytest.approx(0.25, abs=0.05)  # per three steps the 0.6 bin saw four slots tested, one accepted
+
+
+def test_an_over_confident_head_stops_winning_steps():
+    """A head trusted at its word makes a marginal block look worth its rows; what the target accepts corrects it."""
+    policy = LengthPolicy(costs({1: 100, 2: 130, 3: 160, 8: 300}), max_slots=7)
+    head = [0.65] * 7
+    assert policy.choose("draft", 7, head)[0] > 0
+    for _ in range(20):
+        k = policy.choose("draft", 7, head)[0]
+        policy.record("draft", max(k, 1), 0, False, 0.13)
+    assert policy.choose("draft", 7, head)[0] == 0
+    assert policy.choose("draft", 7, [0.95] * 7)[0] > 0  # a confident slot in a bin the target never refuted
 
 
 def test_hopeless_drafting_still_probes_less_and_less_often():

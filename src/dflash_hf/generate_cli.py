@@ -51,20 +51,22 @@ def run(args) -> int:
     target, tokenizer, draft, note = load_pair(args.target, args.draft, args.kind, args.dtype)
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    config = copy.deepcopy(target.generation_config)  # the target's defaults (EOS, ...), plus ours for this call
-    config.dflash_policy, config.dflash_block_size = args.policy, args.block_size
-    speculative = dict(assistant_model=draft, generation_config=config)
-    if args.prompt_lookup:
-        speculative["prompt_lookup_num_tokens"] = args.prompt_lookup
-    target.generate(**inputs, max_new_tokens=4, do_sample=False, **speculative)  # warm-up, not timed
+    plain_config = copy.deepcopy(target.generation_config)  # the target's defaults (EOS, ...), greedy, this length
+    plain_config.update(max_new_tokens=args.max_new_tokens, do_sample=False)
+    config = copy.deepcopy(plain_config)  # plus ours for the speculative call
+    config.update(allow_custom_entries=True, dflash_policy=args.policy, dflash_block_size=args.block_size,
+                  prompt_lookup_num_tokens=args.prompt_lookup or None)
+    warm_up = copy.deepcopy(config)
+    warm_up.max_new_tokens = 4
+    target.generate(**inputs, assistant_model=draft, generation_config=warm_up)  # not timed
 
     def timed(**extra):
         start = time.perf_counter()
-        return target.generate(**inputs, **settings, **extra), time.perf_counter() - start
+        return target.generate(**inputs, **extra), time.perf_counter() - start
 
+    speculative = dict(assistant_model=draft, generation_config=config)
     # Interleaved, best of ROUNDS each: a shared machine's noise only ever adds time.
-    runs = [(timed(), timed(**speculative)) for _ in range(ROUNDS)]
+    runs = [(timed(generation_config=plain_config), timed(**speculative)) for _ in range(ROUNDS)]
     plain, plain_s = runs[0][0][0], min(r[0][1] for r in runs)
     spec, spec_s = runs[0][1][0], min(r[1][1] for r in runs)
     prompt_len = inputs["input_ids"].shape[1]

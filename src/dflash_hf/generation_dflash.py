@@ -452,11 +452,17 @@ _current_call: contextvars.ContextVar = contextvars.ContextVar("dflash_generate_
 # What the hook wraps, with the parameters it relies on; checked at install, so a transformers release that renames
 # them fails loudly at import instead of silently bypassing the draft.
 PATCHED_METHODS = {
+    "_prepare_generation_config": ("generation_config", "kwargs"),
     "_get_candidate_generator": ("generation_config", "input_ids", "inputs_tensor", "logits_processor",
                                  "model_kwargs", "assistant_model"),
     "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
     "_assisted_decoding": ("input_ids", "assistant_model"),
 }
+
+
+# Our generation settings, taken as `generate` keyword arguments too (`generate(..., dflash_policy="fixed")`), as
+# transformers takes its own; it would otherwise reject them as unused model kwargs.
+GENERATION_SETTINGS = ("dflash_policy", "dflash_block_size", "dspark_confidence_threshold")
 
 
 def _is_block_drafter(model) -> bool:
@@ -485,7 +491,8 @@ def check_patchable(mixin=GenerationMixin) -> None:
 
 
 def install_generate_hook() -> None:
-    """Make `target.generate(..., assistant_model=draft)` use the draft's own candidate generator.
+    """Make `target.generate(..., assistant_model=draft)` use the draft's own candidate generator, and take our
+    generation settings (`GENERATION_SETTINGS`) as keyword arguments.
 
     Idempotent (the first installer wins, whichever module it came from, since the dispatch goes through the draft's
     own `make_candidate_generator`); every other assistant type, and `speculation_type="dflash"`, keep transformers'
@@ -494,9 +501,17 @@ def install_generate_hook() -> None:
     if getattr(GenerationMixin._get_candidate_generator, "_dflash_hook", False):
         return
     check_patchable()
+    original_prepare = GenerationMixin._prepare_generation_config
     original_get = GenerationMixin._get_candidate_generator
     original_validate = GenerationMixin._validate_generation_mode
     original_assisted = GenerationMixin._assisted_decoding
+
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        ours = {name: kwargs.pop(name) for name in GENERATION_SETTINGS if name in kwargs}
+        generation_config, model_kwargs = original_prepare(self, generation_config, **kwargs)
+        for name, value in ours.items():
+            setattr(generation_config, name, value)
+        return generation_config, model_kwargs
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, *args, **kwargs):
@@ -552,6 +567,7 @@ def install_generate_hook() -> None:
         return result
 
     for name, wrapper in (
+        ("_prepare_generation_config", _prepare_generation_config),
         ("_get_candidate_generator", _get_candidate_generator),
         ("_validate_generation_mode", _validate_generation_mode),
         ("_assisted_decoding", _assisted_decoding),

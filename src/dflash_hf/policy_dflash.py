@@ -9,7 +9,8 @@ being a plain decode step. Where speculation looks hopeless it still probes now 
 fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
-`1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A batch of B rows proposes one k for all of
+`1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A draft's own predictions (DSpark's
+confidence head) are recalibrated online against the acceptance the target shows. A batch of B rows proposes one k for all of
 them (the verify is one rectangular forward, so a row proposing fewer would still pay for the others' columns): the
 expected tokens are summed over the rows, against what B rows of k + 1 cost, which is measured per B.
 """
@@ -22,6 +23,10 @@ COST_SAMPLES = 8
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
 ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
+# The draft's own acceptance predictions (DSpark's confidence head) are recalibrated against what the target accepts:
+# per bin of predicted confidence, decayed counts with the prediction itself as the prior. Calibration belongs to the
+# draft/target pair more than to the text, so it decays slowly.
+CALIBRATION_BINS, CALIBRATION_PRIOR_WEIGHT, CALIBRATION_DECAY = 10, 4.0, 0.995
 # A proposal must promise this much more (tokens per second) than a plain decode step: estimates of acceptance and
 # cost are noisy, and a wrong guess for speculation costs more than a missed chance.
 SPECULATION_MARGIN = 0.05
@@ -103,6 +108,37 @@ class AcceptanceRates:
         return out
 
 
+class ConfidenceCalibration:
+    """Maps a draft's predicted per-slot acceptance to the acceptance this target shows (histogram binning). A head
+    trained against one target precision or mix of text is often over-confident on another: on HumanEval the shipped
+    DSpark draft predicts 0.49 at the first slot where the float32 target accepts 0.35, which makes marginal
+    speculation look like a win."""
+
+    def __init__(self):
+        self.tries = [0.0] * CALIBRATION_BINS
+        self.accepts = [0.0] * CALIBRATION_BINS
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(max(int(confidence * CALIBRATION_BINS), 0), CALIBRATION_BINS - 1)
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """One row of a verified step: the predictions of the slots it proposed, the first `accepted` accepted."""
+        self.tries = [t * CALIBRATION_DECAY for t in self.tries]
+        self.accepts = [a * CALIBRATION_DECAY for a in self.accepts]
+        for j, confidence in enumerate(confidences[: accepted + 1]):  # slots past the first rejection were not tested
+            self.tries[self._bin(confidence)] += 1.0
+            self.accepts[self._bin(confidence)] += 1.0 if j < accepted else 0.0
+
+    def __call__(self, confidences: list[float]) -> list[float]:
+        out = []
+        for confidence in confidences:
+            b = self._bin(confidence)
+            out.append((self.accepts[b] + CALIBRATION_PRIOR_WEIGHT * confidence)
+                       / (self.tries[b] + CALIBRATION_PRIOR_WEIGHT))
+        return out
+
+
 def expected_tokens(rates: list[float]) -> list[float]:
     """E[emitted] for proposing k = 0..len(rates) tokens with these conditional acceptance rates."""
     out, survive = [1.0], 1.0
@@ -120,6 +156,7 @@ class MeasuredCosts:
         self.batched_verify: dict[int, CostTable] = {}  # a batch of B sequences: B -> by rows per sequence
         self.draft: dict[str, CostTable] = {}  # by source (and batch size above one), by slots drafted
         self.acceptance: dict[str, AcceptanceRates] = {}
+        self.calibration = ConfidenceCalibration()
         self.idle_steps = 0  # steps in a row that proposed nothing
         self.probe_interval = PROBE_INTERVAL
         self.lock = threading.Lock()
@@ -171,6 +208,7 @@ class LengthPolicy:
             raise ValueError(f"`dflash_policy` = {mode!r}; expected one of {POLICIES}.")
         self.costs, self.max_slots, self.mode = costs, max_slots, mode
         self.batch = batch  # sequences verified together (a batched call lowers it as rows finish)
+        self._confidence: list[list[float]] | None = None  # the draft's raw predictions for the step being verified
 
     @property
     def adaptive(self) -> bool:
@@ -216,12 +254,14 @@ class LengthPolicy:
         """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds of
         the verify). The drafting is paid for by now, so only the verify's cost weighs. `confidence`: the draft's own
         per-slot acceptance predictions (DSpark; one list per row of a batch), else the running rates."""
+        self._confidence = None
         if not self.adaptive:
             return available, None, None
         with self.costs.lock:
             if confidence:
                 rows = confidence if isinstance(confidence[0], list) else [confidence]
-                per_row = [expected_tokens(row[:available]) for row in rows]
+                self._confidence = rows
+                per_row = [expected_tokens(self.costs.calibration(row[:available])) for row in rows]
                 expected = [sum(row[k] for row in per_row) for k in range(len(per_row[0]))]
             else:
                 rates = self.costs.rates(source).rates(available)
@@ -243,8 +283,13 @@ class LengthPolicy:
         with self.costs.lock:
             self.costs.verify_table(self.batch).observe(proposed + 1, seconds)
             if source is not None and proposed:
-                for row in accepted if isinstance(accepted, list) else [accepted]:
+                rows = accepted if isinstance(accepted, list) else [accepted]
+                for row in rows:
                     self.costs.rates(source).observe(proposed, row)
+                if source == "draft" and self._confidence is not None:
+                    for predicted, row in zip(self._confidence, rows):
+                        self.costs.calibration.observe(predicted[:proposed], row)
+            self._confidence = None
             if not self.adaptive:  # a fixed-length call teaches costs and acceptance, not the probing schedule
                 return
             if source == "draft" and proposed:
