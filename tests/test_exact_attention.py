@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from tiny import random_dspark
 from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_hf.exact_attention import EXACT_ATTENTION, visible_key_counts
+from dflash_hf.exact_attention import EXACT_ATTENTION, EXACT_VERIFY_ROWS, visible_key_counts
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
@@ -39,13 +39,19 @@ def bf16_target(family: str, attention: str):
     return target
 
 
-def matmuls_are_row_invariant(target) -> bool:
-    """Whether this machine's bf16 matmuls give a row the same bits whatever the row count (true with oneDNN on AMX;
-    without it no attention can make a block verify exact, so the end-to-end checks below would test the platform)."""
-    weight = target.lm_head.weight
-    rows = torch.randn(32, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    full = F.linear(rows, weight)
-    return all(torch.equal(F.linear(rows[i : i + 1], weight)[0], full[i]) for i in range(len(rows)))
+def matmuls_are_row_invariant(target, max_rows: int = EXACT_VERIFY_ROWS) -> bool:
+    """Whether this machine's bf16 matmuls give a row the same bits whatever the row count, for every linear layer's
+    shape of `target` and every count up to `max_rows` (true with oneDNN on AMX; elsewhere it depends on the CPU and
+    the shape). Without it no attention can make a block verify exact, so the end-to-end checks below would test the
+    platform, not the attention."""
+    weights = {tuple(m.weight.shape): m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)}
+    generator = torch.Generator().manual_seed(0)
+    for weight in weights.values():
+        rows = torch.randn(max_rows, weight.shape[1], generator=generator).to(weight.dtype)
+        single = torch.cat([F.linear(rows[i : i + 1], weight) for i in range(max_rows)])
+        if not all(torch.equal(F.linear(rows[:count], weight), single[:count]) for count in range(2, max_rows + 1)):
+            return False
+    return True
 
 
 def block_and_stepwise_logits(target, ids: torch.Tensor, prefix: int):
@@ -81,8 +87,8 @@ def test_block_verify_has_the_bits_of_one_token_decodes(family):
 def test_prompt_rows_do_not_depend_on_what_follows():
     """Prompt lookup's first forward is the prompt plus candidates: its prompt rows must match a plain prefill's."""
     target = bf16_target("llama", EXACT_ATTENTION)
-    if not matmuls_are_row_invariant(target):
-        pytest.skip("this machine's bf16 matmuls depend on the row count (no AMX/oneDNN path)")
+    if not matmuls_are_row_invariant(target, max_rows=160):
+        pytest.skip("this machine's bf16 matmuls depend on the row count up to a prompt's 160 rows")
     ids = torch.randint(3, 90, (1, 160), generator=torch.Generator().manual_seed(4))
     differing_with_sdpa = 0
     with torch.no_grad():
@@ -100,7 +106,8 @@ def test_prompt_rows_do_not_depend_on_what_follows():
 
 def test_a_padded_batch_row_gets_the_bits_it_gets_alone():
     """Left padding (or batched speculation's holes): each row attends to exactly its own keys, so a padded row scores
-    as it does alone; plain SDPA over the padded batch does not (the negative control)."""
+    as it does alone. (Whether plain SDPA over the padded batch does too depends on the CPU's kernels: on some machines
+    seen here it does, on others not, so there is no negative control here.)"""
     target = bf16_target("llama", EXACT_ATTENTION)
     if not matmuls_are_row_invariant(target):
         pytest.skip("this machine's bf16 matmuls depend on the row count (no AMX/oneDNN path)")
@@ -111,10 +118,7 @@ def test_a_padded_batch_row_gets_the_bits_it_gets_alone():
         alone = [target(ids[:1]).logits[0], target(ids[1:, 4:]).logits[0]]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
         got = target(ids, attention_mask=mask, position_ids=positions).logits
-        target.set_attn_implementation("sdpa")
-        fused = target(ids, attention_mask=mask, position_ids=positions).logits
     assert torch.equal(got[0], alone[0]) and torch.equal(got[1, 4:], alone[1])
-    assert not (torch.equal(fused[0], alone[0]) and torch.equal(fused[1, 4:], alone[1]))
 
 
 FULL_BLOCKS = GenerationConfig(dflash_policy="fixed")  # verify a block every step: what the attention must get right
