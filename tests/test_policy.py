@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from dflash_hf.policy_dflash import (
+    OPTION_MIN_STEPS,
+    PROBE_BUDGET,
     PROBE_INTERVAL,
     PROBE_INTERVAL_MAX,
     AcceptanceRates,
@@ -113,8 +115,26 @@ def test_an_over_confident_head_stops_winning_steps():
     assert policy.choose("draft", 7, [0.95] * 7)[0] > 0  # a confident slot in a bin the target never refuted
 
 
+def test_a_confident_draft_is_run_only_while_its_choices_pay_for_it():
+    """DSpark must draft before its head says whether to verify: a draft whose head keeps cutting the block to
+    nothing costs a draft step for no token, whatever the rates of the steps it did verify say."""
+    policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {7: 20}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 7)  # the few verified blocks were all accepted
+    for _ in range(OPTION_MIN_STEPS):
+        assert policy.plan_draft("draft") == (7, False)
+        assert policy.choose("draft", 7, [0.1] * 7)[0] == 0  # ... but most drafts are cut to nothing
+    assert policy.plan_draft("draft") == (0, False)
+    policy.costs.idle_steps = 10**4  # past any probe interval and spacing
+    assert policy.plan_draft("draft") == (7, True)  # a probe drafts the whole block: the head picks what to verify
+    for _ in range(3):
+        assert policy.choose("draft", 7, [0.99] * 7)[0] == 7  # the text turned predictable: choices that pay
+    assert policy.plan_draft("draft") == (7, False)
+
+
 def test_hopeless_drafting_still_probes_less_and_less_often():
-    policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {1: 20, 7: 20}), max_slots=7)
+    # Cheap probes (a verify row costs 4% of a decode, as on a GPU), so the schedule, not the budget, spaces them.
+    policy = LengthPolicy(costs({1: 100, 2: 104, 8: 130}, {1: 1, 7: 1}), max_slots=7)
     for _ in range(20):
         policy.costs.rates("draft").observe(7, 0)
     probes = []
@@ -133,6 +153,26 @@ def test_hopeless_drafting_still_probes_less_and_less_often():
     for _ in range(2 * PROBE_INTERVAL):
         assert call.plan_draft("draft") == (0, False)
         call.record(None, 0, 0, False, 0.1)
+
+
+def test_costly_probes_stay_within_their_budget():
+    """float32 on a CPU: a probe (draft + a 2-row verify) costs a decode more than a decode step; probes then wait until
+    they cost at most PROBE_BUDGET of the decode time, whatever the schedule, and a draft the policy has just
+    written off again (the interval back at its start) does not probe every few steps."""
+    policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {1: 20, 7: 20}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 0)
+    spacing = policy.probe_spacing((180 + 20) * MS)
+    assert spacing == round(100 / (100 * PROBE_BUDGET))
+    probes = []
+    for step in range(1000):
+        policy.costs.probe_interval = PROBE_INTERVAL  # as after a step the policy drafted of its own accord
+        slots, probe = policy.plan_draft("draft")
+        if probe:
+            probes.append(step)
+        policy.record("draft" if slots else None, slots, 0, probe, {0: 0.1, 1: 0.18}.get(slots, 0.21))
+    assert probes and all(b - a >= spacing for a, b in zip(probes, probes[1:]))
+    assert probes[0] == spacing - 1
 
 
 def test_fixed_policy_is_todays_behaviour():

@@ -10,11 +10,14 @@ fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
 `1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A draft's own predictions (DSpark's
-confidence head) are recalibrated online against the acceptance the target shows. A batch of B rows proposes one k for all of
+confidence head) are recalibrated online against the acceptance the target shows. Such a draft must be run before
+its predictions say whether to verify anything, so drafting is an option: it is taken while what the choices it made
+possible gained on average (tokens a decode would have taken the time of, less their verify) beats its cost. A batch of B rows proposes one k for all of
 them (the verify is one rectangular forward, so a row proposing fewer would still pay for the others' columns): the
 expected tokens are summed over the rows, against what B rows of k + 1 cost, which is measured per B.
 """
 
+import math
 import threading
 import weakref
 
@@ -27,13 +30,17 @@ ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
 # per bin of predicted confidence, decayed counts with the prediction itself as the prior. Calibration belongs to the
 # draft/target pair more than to the text, so it decays slowly.
 CALIBRATION_BINS, CALIBRATION_PRIOR_WEIGHT, CALIBRATION_DECAY = 10, 4.0, 0.995
+# Drafted steps whose choices are averaged before a confident draft's value decides whether to draft at all.
+OPTION_MIN_STEPS = 4
 # A proposal must promise this much more (tokens per second) than a plain decode step: estimates of acceptance and
 # cost are noisy, and a wrong guess for speculation costs more than a missed chance.
 SPECULATION_MARGIN = 0.05
 # Steps without a drafted proposal before a forced probe; doubled after each probe (across calls), up to the
-# maximum, and back to the start once the policy drafts of its own accord. At the maximum a hopeless draft costs about
-# 1% of a CPU's decode time in probes.
+# maximum, and back to the start once the policy drafts of its own accord.
 PROBE_INTERVAL, PROBE_INTERVAL_MAX = 8, 128
+# Whatever the schedule says, probes spaced so that what they cost beyond a decode step stays within this share of
+# the decode time between them (a float32 CPU verify of a block costs two decodes: there a probe waits ~100 steps).
+PROBE_BUDGET = 0.01
 POLICIES = ("auto", "fixed")
 
 
@@ -139,6 +146,22 @@ class ConfidenceCalibration:
         return out
 
 
+class DecayedMean:
+    """A mean over recent observations (each older one weighs ACCEPT_DECAY less), and how many it has seen."""
+
+    def __init__(self):
+        self.total, self.weight, self.count = 0.0, 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.total = self.total * ACCEPT_DECAY + value
+        self.weight = self.weight * ACCEPT_DECAY + 1.0
+        self.count += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight if self.weight else 0.0
+
+
 def expected_tokens(rates: list[float]) -> list[float]:
     """E[emitted] for proposing k = 0..len(rates) tokens with these conditional acceptance rates."""
     out, survive = [1.0], 1.0
@@ -157,6 +180,7 @@ class MeasuredCosts:
         self.draft: dict[str, CostTable] = {}  # by source (and batch size above one), by slots drafted
         self.acceptance: dict[str, AcceptanceRates] = {}
         self.calibration = ConfidenceCalibration()
+        self.option_gain: dict[str, DecayedMean] = {}  # by source: seconds a confident draft's choice saved
         self.idle_steps = 0  # steps in a row that proposed nothing
         self.probe_interval = PROBE_INTERVAL
         self.lock = threading.Lock()
@@ -245,10 +269,24 @@ class LengthPolicy:
             expected = [self.batch * e for e in expected_tokens(self.costs.rates(source).rates(self.max_slots))]
             table = self.costs.draft_table(source, self.batch)
             k, _, _ = self.best(expected, table.estimate, allow_zero=True)
+            gain = self.costs.option_gain.get(source)
+            confident = gain is not None and gain.count >= OPTION_MIN_STEPS
+            if confident:  # a draft whose head then cuts the block: worth running while its choices pay for it
+                cost = table.estimate(self.max_slots)
+                k = self.max_slots if cost is None or gain.mean >= cost * (1 + SPECULATION_MARGIN) else 0
             if k == 0 and self.costs.idle_steps + 1 >= self.costs.probe_interval:
-                k, _, _ = self.best(expected, table.estimate, allow_zero=False)
-                return k, True
+                k, _, seconds = self.best(expected, table.estimate, allow_zero=False)
+                if self.costs.idle_steps + 1 < self.probe_spacing(seconds):
+                    return 0, False
+                return (self.max_slots if confident else k), True
             return k, False
+
+    def probe_spacing(self, seconds: float | None) -> int:
+        """Idle steps a probe costing `seconds` (draft and verify) must follow, to stay within `PROBE_BUDGET`."""
+        decode = self.costs.verify_estimate(self.batch, 1)
+        if seconds is None or not decode:
+            return 0
+        return math.ceil(max(seconds - decode, 0.0) / (PROBE_BUDGET * decode))
 
     def choose(self, source: str, available: int, confidence: list[list[float]] | list[float] | None) -> tuple:
         """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds of
@@ -267,9 +305,20 @@ class LengthPolicy:
                 rates = self.costs.rates(source).rates(available)
                 expected = [self.batch * e for e in expected_tokens(rates)]
             choice = self.best(expected, lambda k: 0.0, allow_zero=True)
-            if not choice[0] and not confidence:
+            if confidence:
+                self._observe_option(source, expected[choice[0]], choice[2])
+            elif not choice[0]:
                 self.costs.rates(source).forget()
             return choice
+
+    def _observe_option(self, source: str, expected: float, seconds: float | None) -> None:
+        """What drafting bought this step: the decode time of the tokens the chosen verify is expected to emit, less
+        that verify's cost (0 where the choice was a plain decode step)."""
+        decode = self.costs.verify_estimate(self.batch, 1)
+        if decode is None or seconds is None:
+            return
+        gain = expected * decode / self.batch - seconds
+        self.costs.option_gain.setdefault(source, DecayedMean()).observe(max(gain, 0.0))
 
     def observe_draft(self, source: str, slots: int, seconds: float) -> None:
         with self.costs.lock:
