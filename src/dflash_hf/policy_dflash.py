@@ -53,27 +53,27 @@ class CostTable:
     def __init__(self):
         self.samples: dict[int, list[float]] = {}
         self.seconds: dict[int, float] = {}  # size -> the estimate (the least of its recent samples)
-        self._sizes: list[int] = []  # measured sizes, ascending
+        self._dense: list[float | None] = []  # estimate by size up to the largest measured one (read every step)
 
     def observe(self, size: int, seconds: float) -> None:
         samples = self.samples.setdefault(size, [])
         samples.append(seconds)
         del samples[:-COST_SAMPLES]
-        if size not in self.seconds:
-            self._sizes = sorted([*self._sizes, size])
         self.seconds[size] = min(samples)
+        sizes = sorted(self.seconds)
+        self._dense = [self._interpolate(n, sizes) for n in range(sizes[-1] + 1)]
 
-    def estimate(self, size: int) -> float | None:
-        seconds = self.seconds.get(size)
-        if seconds is not None:
-            return seconds
-        above = next((n for n in self._sizes if n > size), None)
-        if above is None:
-            return None
-        below = next((n for n in reversed(self._sizes) if n < size), None)
+    def _interpolate(self, size: int, sizes: list[int]) -> float:
+        if size in self.seconds:
+            return self.seconds[size]
+        above = next(n for n in sizes if n > size)
+        below = next((n for n in reversed(sizes) if n < size), None)
         if below is None:
             return self.seconds[above]
         return self.seconds[below] + (size - below) / (above - below) * (self.seconds[above] - self.seconds[below])
+
+    def estimate(self, size: int) -> float | None:
+        return self._dense[size] if 0 <= size < len(self._dense) else None
 
 
 class AcceptanceRates:
