@@ -59,6 +59,8 @@ class CostTable:
         samples = self.samples.setdefault(size, [])
         samples.append(seconds)
         del samples[:-COST_SAMPLES]
+        if self.seconds.get(size) == min(samples):
+            return  # most steps: the estimate stands
         self.seconds[size] = min(samples)
         sizes = sorted(self.seconds)
         self._dense = [self._interpolate(n, sizes) for n in range(sizes[-1] + 1)]
