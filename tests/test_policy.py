@@ -117,19 +117,30 @@ def test_an_over_confident_head_stops_winning_steps():
 
 def test_a_confident_draft_is_run_only_while_its_choices_pay_for_it():
     """DSpark must draft before its head says whether to verify: a draft whose head keeps cutting the block to
-    nothing costs a draft step for no token, whatever the rates of the steps it did verify say."""
+    nothing costs a draft step for no token, whatever the rates of the steps it did verify say. It then looks now and
+    then, within the probe budget, and the head (not a forced verify) says what a look proposes."""
     policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {7: 20}), max_slots=7)
     for _ in range(20):
         policy.costs.rates("draft").observe(7, 7)  # the few verified blocks were all accepted
     for _ in range(OPTION_MIN_STEPS):
         assert policy.plan_draft("draft") == (7, False)
         assert policy.choose("draft", 7, [0.1] * 7)[0] == 0  # ... but most drafts are cut to nothing
-    assert policy.plan_draft("draft") == (0, False)
-    policy.costs.idle_steps = 10**4  # past any probe interval and spacing
-    assert policy.plan_draft("draft") == (7, True)  # a probe drafts the whole block: the head picks what to verify
-    for _ in range(3):
-        assert policy.choose("draft", 7, [0.99] * 7)[0] == 7  # the text turned predictable: choices that pay
-    assert policy.plan_draft("draft") == (7, False)
+    looks = []
+    for step in range(200):
+        slots, probe = policy.plan_draft("draft")
+        assert not probe
+        if slots:
+            looks.append(step)
+            assert policy.choose("draft", 7, [0.1] * 7)[0] == 0
+        policy.record(None, 0, 0, False, 0.1)
+    spacing = policy.probe_spacing(20 * MS)
+    assert spacing == round(20 / (100 * PROBE_BUDGET))
+    assert looks and all(b - a == spacing for a, b in zip(looks, looks[1:]))
+    for _ in range(2):  # the text turned predictable: looks whose choices pay
+        while not policy.plan_draft("draft")[0]:
+            policy.record(None, 0, 0, False, 0.1)
+        assert policy.choose("draft", 7, [0.99] * 7)[0] == 7
+    assert policy.plan_draft("draft") == (7, False)  # drafting every step again
 
 
 def test_hopeless_drafting_still_probes_less_and_less_often():
@@ -162,7 +173,7 @@ def test_costly_probes_stay_within_their_budget():
     policy = LengthPolicy(costs({1: 100, 2: 180, 8: 210}, {1: 20, 7: 20}), max_slots=7)
     for _ in range(20):
         policy.costs.rates("draft").observe(7, 0)
-    spacing = policy.probe_spacing((180 + 20) * MS)
+    spacing = policy.probe_spacing((180 + 20 - 100) * MS)  # a 2-row verify and a draft, beyond a decode
     assert spacing == round(100 / (100 * PROBE_BUDGET))
     probes = []
     for step in range(1000):

@@ -30,8 +30,9 @@ ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
 # per bin of predicted confidence, decayed counts with the prediction itself as the prior. Calibration belongs to the
 # draft/target pair more than to the text, so it decays slowly.
 CALIBRATION_BINS, CALIBRATION_PRIOR_WEIGHT, CALIBRATION_DECAY = 10, 4.0, 0.995
-# Drafted steps whose choices are averaged before a confident draft's value decides whether to draft at all.
-OPTION_MIN_STEPS = 4
+# Drafted steps whose choices are averaged before a confident draft's value decides whether to draft at all, and
+# the decay of that average per drafted step (about ten steps' memory: the value of a look moves with the text).
+OPTION_MIN_STEPS, OPTION_DECAY = 4, 0.9
 # A proposal must promise this much more (tokens per second) than a plain decode step: estimates of acceptance and
 # cost are noisy, and a wrong guess for speculation costs more than a missed chance.
 SPECULATION_MARGIN = 0.05
@@ -149,14 +150,14 @@ class ConfidenceCalibration:
 
 
 class DecayedMean:
-    """A mean over recent observations (each older one weighs ACCEPT_DECAY less), and how many it has seen."""
+    """A mean over recent observations (each older one weighs OPTION_DECAY less), and how many it has seen."""
 
     def __init__(self):
         self.total, self.weight, self.count = 0.0, 0.0, 0
 
     def observe(self, value: float) -> None:
-        self.total = self.total * ACCEPT_DECAY + value
-        self.weight = self.weight * ACCEPT_DECAY + 1.0
+        self.total = self.total * OPTION_DECAY + value
+        self.weight = self.weight * OPTION_DECAY + 1.0
         self.count += 1
 
     @property
@@ -268,27 +269,37 @@ class LengthPolicy:
         with self.costs.lock:
             if self.costs.verify_estimate(self.batch, 1) is None:
                 return 0, False  # measure a decode step first
-            expected = [self.batch * e for e in expected_tokens(self.costs.rates(source).rates(self.max_slots))]
             table = self.costs.draft_table(source, self.batch)
-            k, _, _ = self.best(expected, table.estimate, allow_zero=True)
             gain = self.costs.option_gain.get(source)
-            confident = gain is not None and gain.count >= OPTION_MIN_STEPS
-            if confident:  # a draft whose head then cuts the block: worth running while its choices pay for it
-                cost = table.estimate(self.max_slots)
-                k = self.max_slots if cost is None or gain.mean >= cost * (1 + SPECULATION_MARGIN) else 0
+            if gain is not None and gain.count >= OPTION_MIN_STEPS:
+                return self._plan_look(gain, table), False
+            expected = [self.batch * e for e in expected_tokens(self.costs.rates(source).rates(self.max_slots))]
+            k, _, _ = self.best(expected, table.estimate, allow_zero=True)
             if k == 0 and self.costs.idle_steps + 1 >= self.costs.probe_interval:
                 k, _, seconds = self.best(expected, table.estimate, allow_zero=False)
-                if self.costs.idle_steps + 1 < self.probe_spacing(seconds):
-                    return 0, False
-                return (self.max_slots if confident else k), True
+                extra = None if seconds is None else seconds - self.costs.verify_estimate(self.batch, 1)
+                return (k, True) if self.costs.idle_steps + 1 >= self.probe_spacing(extra) else (0, False)
             return k, False
 
-    def probe_spacing(self, seconds: float | None) -> int:
-        """Idle steps a probe costing `seconds` (draft and verify) must follow, to stay within `PROBE_BUDGET`."""
+    def _plan_look(self, gain: DecayedMean, table: CostTable) -> int:
+        """Slots to draft for a draft whose head then says what to verify (DSpark): a draft step is a look, worth
+        taking while what the looks made possible saved more than a look costs, and otherwise taken now and then
+        within the probe budget. The head, not a forced verify, decides what a look proposes."""
+        cost = table.estimate(self.max_slots)
+        if cost is None or gain.mean >= cost * (1 + SPECULATION_MARGIN):
+            return self.max_slots
+        if self.costs.idle_steps >= self.probe_spacing(cost):  # steps since the last look, that look included
+            self.costs.idle_steps = 0
+            return self.max_slots
+        return 0
+
+    def probe_spacing(self, extra_seconds: float | None) -> int:
+        """Idle steps a probe costing `extra_seconds` beyond a decode step must follow, to stay within
+        `PROBE_BUDGET`."""
         decode = self.costs.verify_estimate(self.batch, 1)
-        if seconds is None or not decode:
+        if extra_seconds is None or not decode:
             return 0
-        return math.ceil(max(seconds - decode, 0.0) / (PROBE_BUDGET * decode))
+        return math.ceil(max(extra_seconds, 0.0) / (PROBE_BUDGET * decode))
 
     def choose(self, source: str, available: int, confidence: list[list[float]] | list[float] | None) -> tuple:
         """After drafting (or looking up) `available` candidates: (k to verify, expected tokens, estimated seconds of
