@@ -10,11 +10,14 @@ fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
 `1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A draft's own predictions (DSpark's
-confidence head) are recalibrated online against the acceptance the target shows. Such a draft must be run before
-its predictions say whether to verify anything, so drafting is an option: it is taken while what the choices it made
-possible gained on average (tokens a decode would have taken the time of, less their verify) beats its cost. A batch of B rows proposes one k for all of
-them (the verify is one rectangular forward, so a row proposing fewer would still pay for the others' columns): the
-expected tokens are summed over the rows, against what B rows of k + 1 cost, which is measured per B.
+confidence head) are recalibrated online against the acceptance the target shows. Such a draft must run before its
+predictions say whether to verify anything, so drafting is an option: taken while what the choices it made possible
+saved on average (the decode time of their expected tokens, less their verify) beats a draft step's cost. Probes of
+either kind are spaced so they cost at most `PROBE_BUDGET` of the decode time.
+
+A batch of B rows proposes one k for all of them (the verify is one rectangular forward, so a row proposing fewer
+would still pay for the others' columns): the expected tokens are summed over the rows, against what B rows of k + 1
+cost, which is measured per B.
 """
 
 import math
