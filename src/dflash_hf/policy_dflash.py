@@ -57,7 +57,7 @@ class CostTable:
     def __init__(self):
         self.samples: dict[int, list[float]] = {}
         self.seconds: dict[int, float] = {}  # size -> the estimate (the least of its recent samples)
-        self._dense: list[float | None] = []  # estimate by size up to the largest measured one (read every step)
+        self._dense: list[float] = []  # estimate by size up to the largest measured one (read every step)
 
     def observe(self, size: int, seconds: float) -> None:
         samples = self.samples.setdefault(size, [])
