@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 # flat relative imports), and the repo root holds a symlink to each. A DFlash 2 draft carries the DFLASH2_CODE_FILES
 # besides (modeling_dflash2.py imports the others); a DFlash or DSpark draft does not.
 REMOTE_CODE_FILES = ("batching_dflash.py", "configuration_dflash.py", "generation_dflash.py", "kernels_dflash.py",
-                     "layers_dflash.py", "modeling_dflash.py", "policy_dflash.py")
+                     "layers_dflash.py", "modeling_dflash.py", "policy_dflash.py", "verify_matmul.py")
 DFLASH2_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py")
 
 

@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .layers_dflash import gather_columns
+from .verify_matmul import verifying
 
 # Close the holes (and the left padding) once they make up this share of the cache's columns: attention over masked
 # columns costs what attention over real ones does, while a compaction copies the whole cache once.
@@ -212,7 +213,8 @@ class BatchedSpeculation:
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = k + 1
         inputs |= self.capture.model_kwargs_overrides
-        outputs = self.target(**inputs, return_dict=True)
+        with verifying(k > 0):
+            outputs = self.target(**inputs, return_dict=True)
         self.stats["target_forwards"] += 1
         logits = outputs.logits[:, -(k + 1):].to(dtype=torch.float32, device=block.device)
         scores = self._process(logits, candidates)

@@ -7,6 +7,7 @@ import torch
 
 from .defaults import DTYPE_HELP, SHIPPED_DRAFTS
 from .generation_dflash import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
+from .verify_matmul import VERIFY_MATMULS
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 ROUNDS = 2
@@ -28,6 +29,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                         help=f"also try N looked-up tokens where the last {LOOKUP_MIN_NGRAM}-{LOOKUP_MAX_NGRAM} tokens "
                              "occurred before (0: off)")
+    parser.add_argument("--verify-matmul", choices=VERIFY_MATMULS, default="auto",
+                        help="auto: on a CPU in float32, verify forwards of 2-5 rows multiply weight-first (about a "
+                             "decode's cost instead of up to 1.9); linear: F.linear as plain generate")
     parser.set_defaults(func=run)
 
 
@@ -55,7 +59,7 @@ def run(args) -> int:
     plain_config.update(max_new_tokens=args.max_new_tokens, do_sample=False)
     config = copy.deepcopy(plain_config)  # plus ours for the speculative call
     config.update(allow_custom_entries=True, dflash_policy=args.policy, dflash_block_size=args.block_size,
-                  prompt_lookup_num_tokens=args.prompt_lookup or None)
+                  dflash_verify_matmul=args.verify_matmul, prompt_lookup_num_tokens=args.prompt_lookup or None)
     warm_up = copy.deepcopy(config)
     warm_up.max_new_tokens = 4
     target.generate(**inputs, assistant_model=draft, generation_config=warm_up)  # not timed

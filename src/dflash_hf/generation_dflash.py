@@ -24,6 +24,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .batching_dflash import batched_speculation
 from .policy_dflash import LengthPolicy, measured_costs
+from .verify_matmul import set_verifying, verify_matmuls
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +327,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         now = time.perf_counter()
+        set_verifying(False)  # the verify of the last candidates has run; the draft's forwards are not verifies
         self._account_verify(input_ids.shape[1], now)
         if is_first_iteration:
             self._last_return = time.perf_counter()
@@ -392,6 +394,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.stats["time_s"]["draft"] += self._last_return - now
         if not proposed:
             return input_ids, None
+        set_verifying(True)  # the target's next forward verifies these (`verify_matmul`)
         return torch.cat([input_ids, candidate_ids], dim=1), logits
 
     def _lookup(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor | None:
@@ -462,7 +465,7 @@ PATCHED_METHODS = {
 
 # Our generation settings, taken as `generate` keyword arguments too (`generate(..., dflash_policy="fixed")`), as
 # transformers takes its own; it would otherwise reject them as unused model kwargs.
-GENERATION_SETTINGS = ("dflash_policy", "dflash_block_size", "dspark_confidence_threshold")
+GENERATION_SETTINGS = ("dflash_policy", "dflash_block_size", "dspark_confidence_threshold", "dflash_verify_matmul")
 
 
 def _is_block_drafter(model) -> bool:
@@ -534,12 +537,15 @@ def install_generate_hook() -> None:
     def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
         if not _is_block_drafter(assistant_model):
             return original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        matmuls = verify_matmuls(self, getattr(kwargs.get("generation_config"), "dflash_verify_matmul", None))
         if input_ids.shape[0] > 1:
-            return _batched(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+            with matmuls:
+                return _batched(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
         call = _GenerateCall(kwargs.get("streamer"))
         token = _current_call.set(call)
         try:
-            result = original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+            with matmuls:
+                result = original_assisted(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
         finally:
             _current_call.reset(token)
             for generator in call.generators:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..defaults import DTYPE_HELP, SHIPPED_DRAFTS
+from ..verify_matmul import VERIFY_MATMULS
 from .datasets import BUILTIN_DATASETS, DatasetUnavailableError, load_samples, select_samples
 from .paths import (DEFAULT_PROMPT_LOOKUP_TOKENS, POLICIES, WARMUP_NEW_TOKENS, BenchSettings, build_paths,
                     keep_paths)
@@ -37,6 +38,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", choices=POLICIES, default="auto",
                         help="our paths' speculation length: auto (by measured cost), fixed (full blocks), or both")
+    parser.add_argument("--verify-matmul", choices=VERIFY_MATMULS, default="auto",
+                        help="our paths' verify forwards on a CPU in float32: auto (2-5 rows weight-first) or linear "
+                             "(F.linear, as before)")
     parser.add_argument("--paths", nargs="+", default=None, metavar="NAME",
                         help="run only these paths beside the baseline (e.g. dspark_hf dflash2_hf; names as in the "
                              "table)")
@@ -125,7 +129,7 @@ def run(args) -> int:
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         prompt_lookup_num_tokens=args.prompt_lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS,
-        warmup_new_tokens=args.warmup_tokens, policy=args.policy,
+        warmup_new_tokens=args.warmup_tokens, policy=args.policy, verify_matmul=args.verify_matmul,
     )
     if args.batch_size:
         return _run_batched(args, target, tokenizer, drafts, samples, settings, models)

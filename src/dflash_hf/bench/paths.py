@@ -40,6 +40,7 @@ class BenchSettings:
     prompt_lookup_num_tokens: int = DEFAULT_PROMPT_LOOKUP_TOKENS
     warmup_new_tokens: int = WARMUP_NEW_TOKENS
     policy: str = "auto"
+    verify_matmul: str = "auto"  # `dflash_verify_matmul` of our paths
 
     @property
     def greedy(self) -> bool:
@@ -122,7 +123,7 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
         # deprecates mixing a config with generation arguments.
         config = copy.deepcopy(target.generation_config)
         config.update(**hf, **extra)
-        config.dflash_policy = policy
+        config.dflash_policy, config.dflash_verify_matmul = policy, settings.verify_matmul
 
         def generate(ids, mask, n):
             call = copy.copy(config)

@@ -1,0 +1,1 @@
+src/dflash_hf/verify_matmul.py
