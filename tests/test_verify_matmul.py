@@ -159,3 +159,14 @@ def test_a_thread_verifying_does_not_switch_another_threads_forwards():
         thread.start()
         thread.join()
     assert seen["names"] == ["linear"]
+
+
+def test_the_drafts_head_product_goes_weight_first_only_in_float32_on_cpu():
+    torch.manual_seed(0)
+    weight, x = torch.randn(40, 24), torch.randn(3, 24)
+    with CalledFunctions() as calls:
+        got = verify_matmul.linear(x, weight)
+        verify_matmul.linear(x.bfloat16(), weight.bfloat16())
+        verify_matmul.linear(torch.randn(8, 24), weight)
+    assert calls.names == ["mm", "linear", "linear"]
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)

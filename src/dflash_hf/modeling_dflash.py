@@ -34,6 +34,7 @@ from .layers_dflash import (
     StaticContextCache,
     layer_attention_mask,
 )
+from .verify_matmul import linear
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +427,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Flattened first: given a non-contiguous 3-D slice (the block's slots), matmul cannot fold the batch and
         # copies the whole [vocab, hidden] head for a bmm on every call (~150 ms for a 49k vocabulary on a CPU).
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.head_weight()).view(*hidden.shape[:-1], -1)
+        logits = linear(hidden.reshape(-1, hidden.shape[-1]), self.head_weight()).view(*hidden.shape[:-1], -1)
         # Gemma-style drafts (z-lab 0.1.0): a multiplier, then `cap * tanh(logits / cap)`; None or 0 cap: off.
         multiplier = getattr(self.config, "output_multiplier", None)
         cap = getattr(self.config, "final_logit_softcapping", None)

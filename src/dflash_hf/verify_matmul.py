@@ -12,7 +12,9 @@ step run `F.linear` exactly as `generate` without a draft does. Numerically the 
 multi-row GEMM by float32 rounding, as that GEMM already differs from the one-row GEMV of a decode (about 1e-7
 relative): greedy output stays the target's except on a near-tie, as for any float32 verify. In bfloat16 nothing
 switches (oneDNN's bf16 matmuls are row-invariant there and exactness rests on it), nor on GPUs, nor for layers
-that are not plain `nn.Linear` (quantized, offloaded by accelerate, already wrapped).
+that are not plain `nn.Linear` (quantized, offloaded by accelerate, already wrapped). A draft's own head, whose
+numbers need no such care, always takes the faster product (`linear`): a DFlash draft proposing 3 slots multiplies 3
+rows by the target's whole vocabulary head.
 """
 
 import contextvars
@@ -33,14 +35,20 @@ _live_calls: dict[int, int] = {}  # id(target) -> generate calls that installed 
 _lock = threading.Lock()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, computed weight-first where that is the faster product: 2-5 rows of float32 on a CPU."""
+    rows = x.numel() // x.shape[-1]
+    if rows not in VERIFY_ROWS or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _verify_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _verifying.get():
-        rows = x.numel() // x.shape[-1]
-        if rows in VERIFY_ROWS:
-            out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
-            if self.bias is not None:
-                out += self.bias
-            return out.view(*x.shape[:-1], self.weight.shape[0])
+        return linear(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -95,4 +103,4 @@ def verifying(flag: bool = True):
         _verifying.reset(token)
 
 
-__all__ = ["VERIFY_MATMULS", "VERIFY_ROWS", "set_verifying", "verify_matmuls", "verifying"]
+__all__ = ["VERIFY_MATMULS", "VERIFY_ROWS", "linear", "set_verifying", "verify_matmuls", "verifying"]
