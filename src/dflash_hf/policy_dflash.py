@@ -2,10 +2,11 @@
 
 A Hub remote-code file (standard library only). Speculation pays only when `E[tokens per step] / cost(step)` beats
 `1 / cost(decode)`. On a GPU a verify of k+1 rows costs about one decode; on a CPU it grows with k, and not even
-monotonically (float32 on an AMD EPYC: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109). So the policy
-keeps what it measured, per row count, for each target/device/dtype, and per-position acceptance rates for each
-proposal source (a draft, prompt lookup); each step it proposes the k (0..block) with the best expected rate, k = 0
-being a plain decode step. Where speculation looks hopeless it still probes now and then (less often each time it
+monotonically (float32 on an AMD EPYC with `F.linear`: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109;
+with `verify_matmul`'s weight-first products 2 rows cost 50, less than the decode). So the policy measures every row
+count once and keeps what it measured, per row count, for each target/device/dtype, and per-position acceptance
+rates for each proposal source (a draft, prompt lookup); each step it proposes the k (0..block) with the best expected
+rate, k = 0 being a plain decode step. Where speculation looks hopeless it still probes now and then (less often each time it
 fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
@@ -50,36 +51,21 @@ POLICIES = ("auto", "fixed")
 
 class CostTable:
     """Seconds by size (rows verified, or slots drafted): the least of the last few measurements, since a shared
-    machine's noise (and a shape's first, warm-up run) only ever adds time. An unmeasured size between two measured
-    ones is interpolated (optimistic where costs jump, which its first measurement corrects); past the largest
-    measured size the cost is unknown, and the policy measures it."""
+    machine's noise (and a shape's first, warm-up run) only ever adds time. A size never measured has no estimate
+    (costs are not monotonic in the size, so none is inferred from its neighbours): the policy measures it."""
 
     def __init__(self):
         self.samples: dict[int, list[float]] = {}
         self.seconds: dict[int, float] = {}  # size -> the estimate (the least of its recent samples)
-        self._dense: list[float] = []  # estimate by size up to the largest measured one (read every step)
 
     def observe(self, size: int, seconds: float) -> None:
         samples = self.samples.setdefault(size, [])
         samples.append(seconds)
         del samples[:-COST_SAMPLES]
-        if self.seconds.get(size) == min(samples):
-            return  # most steps: the estimate stands
         self.seconds[size] = min(samples)
-        sizes = sorted(self.seconds)
-        self._dense = [self._interpolate(n, sizes) for n in range(sizes[-1] + 1)]
-
-    def _interpolate(self, size: int, sizes: list[int]) -> float:
-        if size in self.seconds:
-            return self.seconds[size]
-        above = next(n for n in sizes if n > size)
-        below = next((n for n in reversed(sizes) if n < size), None)
-        if below is None:
-            return self.seconds[above]
-        return self.seconds[below] + (size - below) / (above - below) * (self.seconds[above] - self.seconds[below])
 
     def estimate(self, size: int) -> float | None:
-        return self._dense[size] if 0 <= size < len(self._dense) else None
+        return self.seconds.get(size)
 
 
 class AcceptanceRates:
@@ -249,8 +235,8 @@ class LengthPolicy:
 
     def best(self, expected: list[float], draft_seconds, allow_zero: bool) -> tuple[int, float, float | None]:
         """(k, expected tokens, estimated seconds) with the best expected rate, of `expected[k]` tokens for proposing
-        k; `draft_seconds(k)` is the drafting cost of k slots (0 for prompt lookup). Unknown costs make the largest k
-        the answer (measure it)."""
+        k; `draft_seconds(k)` is the drafting cost of k slots (0 for prompt lookup). The smallest k whose cost is
+        unknown is the answer (measure it): each size is measured once before the estimates decide."""
         best = None
         for k in range(0 if allow_zero else 1, len(expected)):
             verify = self.costs.verify_estimate(self.batch, k + 1)
@@ -258,7 +244,7 @@ class LengthPolicy:
             seconds = None if verify is None or draft is None else verify + draft
             rate = self._rate(expected[k], seconds)
             if rate is None:
-                return len(expected) - 1, expected[-1], None
+                return k, expected[k], None
             if k and allow_zero:
                 rate /= 1 + SPECULATION_MARGIN
             if best is None or rate > best[0]:
