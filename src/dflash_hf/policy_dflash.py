@@ -6,8 +6,8 @@ monotonically (float32 on an AMD EPYC with `F.linear`: 1 row 64 ms, 2 rows 101, 
 with `verify_matmul`'s weight-first products 2 rows cost 50, less than the decode). So the policy measures every row
 count once and keeps what it measured, per row count, for each target/device/dtype, and per-position acceptance
 rates for each proposal source (a draft, prompt lookup); each step it proposes the k (0..block) with the best expected
-rate, k = 0 being a plain decode step. Where speculation looks hopeless it still probes now and then (less often each time it
-fails), because acceptance moves with the text.
+rate, k = 0 being a plain decode step. Where speculation looks hopeless it still probes now and then (less often
+each time it fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
 `1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A draft's own predictions (DSpark's
