@@ -22,10 +22,11 @@ cost, which is measured per B.
 """
 
 import math
+import statistics
 import threading
 import weakref
 
-# Measurements kept per size; the estimate is their minimum (costs drift slowly, noise is large).
+# Measurements kept per size; the estimate is their median (costs drift slowly, noise is large).
 COST_SAMPLES = 8
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
@@ -50,19 +51,24 @@ POLICIES = ("auto", "fixed")
 
 
 class CostTable:
-    """Seconds by size (rows verified, or slots drafted): the least of the last few measurements, since a shared
-    machine's noise (and a shape's first, warm-up run) only ever adds time. A size never measured has no estimate
-    (costs are not monotonic in the size, so none is inferred from its neighbours): the policy measures it."""
+    """Seconds by size (rows verified, or slots drafted): the median of the last few measurements (the least of them
+    would be a lucky step's, and sizes differ in how much their cost varies). A size's first measurement pays for
+    its warm-up (allocation, kernel choice) and is dropped; until a second one, and for a size never measured, there
+    is no estimate (costs are not monotonic in the size, so none is inferred from its neighbours): the policy
+    measures it."""
 
     def __init__(self):
         self.samples: dict[int, list[float]] = {}
-        self.seconds: dict[int, float] = {}  # size -> the estimate (the least of its recent samples)
+        self.seconds: dict[int, float] = {}  # size -> the estimate
 
     def observe(self, size: int, seconds: float) -> None:
-        samples = self.samples.setdefault(size, [])
+        if size not in self.samples:
+            self.samples[size] = []  # the warm-up measurement
+            return
+        samples = self.samples[size]
         samples.append(seconds)
         del samples[:-COST_SAMPLES]
-        self.seconds[size] = min(samples)
+        self.seconds[size] = statistics.median(samples)
 
     def estimate(self, size: int) -> float | None:
         return self.seconds.get(size)
