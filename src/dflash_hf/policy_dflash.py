@@ -4,10 +4,10 @@ A Hub remote-code file (standard library only). Speculation pays only when `E[to
 `1 / cost(decode)`. On a GPU a verify of k+1 rows costs about one decode; on a CPU it grows with k, and not even
 monotonically (float32 on an AMD EPYC with `F.linear`: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109;
 with `verify_matmul`'s weight-first products 2 rows cost 50, less than the decode). So the policy measures every row
-count once and keeps what it measured, per row count, for each target/device/dtype, and per-position acceptance
-rates for each proposal source (a draft, prompt lookup); each step it proposes the k (0..block) with the best expected
-rate, k = 0 being a plain decode step. Where speculation looks hopeless it still probes now and then (less often
-each time it fails), because acceptance moves with the text.
+count (its first run, a warm-up, dropped) and keeps what it measured, per row count, for each target/device/dtype,
+and per-position acceptance rates for each proposal source (a draft, prompt lookup); each step it proposes the k
+(0..block) with the best expected rate, k = 0 being a plain decode step. Where speculation looks hopeless it still
+probes now and then (less often each time it fails), because acceptance moves with the text.
 
 With per-slot acceptance estimates a_1..a_k the expected emitted tokens of proposing k are
 `1 + sum_{i<=k} prod_{j<=i} a_j` (the target's own token always counts). A draft's own predictions (DSpark's
@@ -242,7 +242,7 @@ class LengthPolicy:
     def best(self, expected: list[float], draft_seconds, allow_zero: bool) -> tuple[int, float, float | None]:
         """(k, expected tokens, estimated seconds) with the best expected rate, of `expected[k]` tokens for proposing
         k; `draft_seconds(k)` is the drafting cost of k slots (0 for prompt lookup). The smallest k whose cost is
-        unknown is the answer (measure it): each size is measured once before the estimates decide."""
+        unknown is the answer (measure it): every size is measured before the estimates decide."""
         best = None
         for k in range(0 if allow_zero else 1, len(expected)):
             verify = self.costs.verify_estimate(self.batch, k + 1)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows per forward (over the whole batch) that go weight-stationary; the measured gain ends at about 6 rows.
+# Rows per forward (over the whole batch) that go weight-first; the measured gain ends at about 6 rows.
 VERIFY_ROWS = range(2, 6)
 VERIFY_MATMULS = ("auto", "linear")  # `dflash_verify_matmul`: auto = as above on CPU float32; linear = F.linear always
 
