@@ -62,7 +62,9 @@ def test_auto_on_cpu_runs_torch_and_says_so(monkeypatch, caplog):
     target = tiny_target("qwen3")
     draft = random_dflash(target)
     with caplog.at_level(logging.INFO, logger=modeling_dflash.__name__):
-        target.generate(torch.tensor([[1, 5, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False)
+        # Full blocks (the fixed policy): the draft runs from the first step, not after the policy's measurements.
+        target.generate(torch.tensor([[1, 5, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False,
+                        dflash_policy="fixed")
     assert draft.generation_stats["kernels"] == "torch"
     assert "DFlashDraftModel: torch path." in caplog.text
     assert all(norm._kernels is None for norm in draft.modules() if isinstance(norm, DFlashRMSNorm))
@@ -85,7 +87,8 @@ def test_on_without_cuda_fails_loudly_in_the_draft(monkeypatch):
     target = tiny_target("qwen3")
     draft = random_dflash(target)
     with pytest.raises(RuntimeError, match="need a CUDA device"):
-        target.generate(torch.tensor([[1, 5, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False)
+        target.generate(torch.tensor([[1, 5, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False,
+                        dflash_policy="fixed")
 
 
 def test_training_keeps_torch(monkeypatch):
