@@ -1,7 +1,9 @@
 """Training: the block attention mask, the losses, anchor sampling, resume after a kill, and a tiny end-to-end run."""
 
 import importlib.util
+import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -350,6 +352,51 @@ def test_resume_after_kill_continues_identically(toy, tmp_path, kind):
         assert torch.equal(value, resumed.state_dict()[name]), name
         changed |= not torch.equal(value, initial[name])
     assert changed
+
+
+def test_warm_start_continues_a_saved_draft_and_refuses_another_shape(toy, tmp_path):
+    from dflash_hf.training.cli import previous_training, training_history
+
+    target, records = toy
+    store = cache_features(target, records, LAYERS, tmp_path / "features")
+    spec = toy_spec("dspark", draft_vocab_size=64, markov_rank=4, enable_confidence_head=True)
+    mapping = build_vocab_mapping(store.token_counts(VOCAB), 64, [EOS])
+    config = TrainConfig(max_steps=250, sequences_per_step=4, anchors_per_sequence=16, learning_rate=5e-3,
+                         eval_every=0, checkpoint_every=1000, warmup_ratio=0.02)
+    draft = build_draft(target, spec, mapping, seed=0)
+    train_loop(draft, store, config, tmp_path / "first")
+    summary = {"steps_run": 250, "train": {"sequences_per_step": 4, "anchors_per_sequence": 16},
+               "hardware": "a test", "train_tokens_assistant": 123, "command": "first run"}
+    saved_dir = tmp_path / "saved"
+    draft.save_pretrained(saved_dir)
+    (saved_dir / "training_summary.json").write_text(json.dumps(summary))
+
+    warm = trainer.warm_start_draft(target, spec, saved_dir)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(warm.state_dict()[name], value), name  # weights and the pruned vocabulary
+    again = []
+    train_loop(warm, store, replace(config, max_steps=10), tmp_path / "second",
+               step_callback=lambda step, m: again.append(m["loss"]))
+    fresh = []
+    train_loop(build_draft(target, spec, mapping, seed=0), store, replace(config, max_steps=10), tmp_path / "fresh",
+               step_callback=lambda step, m: fresh.append(m["loss"]))
+    # The same ten batches (the plan is a function of seed and step): lower losses, as from where the saved one ended.
+    assert sum(again) < 0.95 * sum(fresh), (again, fresh)
+
+    history = previous_training(saved_dir)
+    assert history["steps"] == 250 and history["sequences_per_step"] == 4 and history["init_from"] is None
+    chained = {"path": "b", "steps": 5, "init_from": history}  # a warm start of a warm start, newest first
+    assert training_history(chained) == ("- Continued from `b`: 5 steps on unrecorded hardware.\n"
+                                         f"- Continued from `{saved_dir}`: 250 steps of 4 x 16 on 123 assistant tokens"
+                                         " on a test (`first run`).\n")
+
+    with pytest.raises(ValueError, match="markov_rank=4, but this run's spec gives 8"):
+        trainer.warm_start_draft(target, toy_spec("dspark", draft_vocab_size=64, markov_rank=8,
+                                                  enable_confidence_head=True), saved_dir)
+    with pytest.raises(ValueError, match="is a 'dspark' draft, but this run trains 'dflash'"):
+        trainer.warm_start_draft(target, toy_spec("dflash"), saved_dir)
+    with pytest.raises(ValueError, match="has no config.json"):
+        trainer.warm_start_draft(target, spec, tmp_path / "nowhere")
 
 
 def test_fit_steps_fills_the_budget_within_bounds():

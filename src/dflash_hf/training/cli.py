@@ -19,7 +19,16 @@ import torch
 from .corpus_shards import load_corpus_records
 from .data import DataConfig, build_dataset, eos_ids
 from .features import OnlineFeatures, ShardedFeatures, cache_features
-from .trainer import DraftSpec, TrainConfig, balance_fc_init, build_draft, draft_config_for, heldout_tau, train_loop
+from .trainer import (
+    DraftSpec,
+    TrainConfig,
+    balance_fc_init,
+    build_draft,
+    draft_config_for,
+    heldout_tau,
+    train_loop,
+    warm_start_draft,
+)
 from .vocab import build_vocab_mapping, coverage
 
 logger = logging.getLogger(__name__)
@@ -98,12 +107,14 @@ def hardware(device: torch.device) -> str:
 
 def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spec: DraftSpec, train: TrainConfig,
                 work_dir: Path, online_features: bool = False, save_dtype: torch.dtype = torch.bfloat16,
-                command: str | None = None, target=None, tokenizer=None, corpus: Path | None = None) -> dict:
+                command: str | None = None, target=None, tokenizer=None, corpus: Path | None = None,
+                init_from: Path | None = None) -> dict:
     """Run the whole pipeline for one draft and save it with `save_pretrained` (plus a model card) into `out`.
 
     `target`/`tokenizer` may be passed in to skip loading; `work_dir` holds the data, the feature cache (shared by
     every draft reading the same layers) and the checkpoints of this draft. `corpus`: train on the answer shards of
-    that folder (`dflash-hf corpus`) instead of generating data; their features are computed here.
+    that folder (`dflash-hf corpus`) instead of generating data; their features are computed here. `init_from`: a
+    saved draft of the same shape to continue from (a new schedule over `train.max_steps` more steps).
     """
     started = time.time()
     work_dir = Path(work_dir)
@@ -128,16 +139,28 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     else:
         store = cache_features(target, records, layer_ids, work_dir / cache_name)
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
-    mapping, vocab_coverage = None, None
-    if spec.kind == "dspark" and spec.draft_vocab_size and spec.draft_vocab_size < vocab_size:
-        counts = store.token_counts(vocab_size)
-        mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=eos_ids(tokenizer, target))
-        vocab_coverage = coverage(counts, mapping[1])
+    pruned = spec.kind == "dspark" and spec.draft_vocab_size and spec.draft_vocab_size < vocab_size
+    vocab_coverage, previous = None, None
+    if init_from is not None:  # its weights and vocabulary, as trained
+        draft = warm_start_draft(target, spec, init_from)
+        previous = previous_training(Path(init_from))
+        # What it reaches on this data before any step here, for the card beside what it reaches after.
+        previous["heldout_here"] = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
+        logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
+        if pruned:
+            vocab_coverage = coverage(store.token_counts(vocab_size), draft.t2d.cpu())
+    else:
+        mapping = None
+        if pruned:
+            counts = store.token_counts(vocab_size)
+            mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=eos_ids(tokenizer, target))
+            vocab_coverage = coverage(counts, mapping[1])
+        draft = build_draft(target, spec, mapping, seed=train.seed)
+        if spec.balance_fc_init:
+            balance_fc_init(draft, store)
+    if vocab_coverage is not None:
         logger.info("Draft vocabulary: %d ids cover %.4f of the assistant tokens", spec.draft_vocab_size,
                     vocab_coverage)
-    draft = build_draft(target, spec, mapping, seed=train.seed)
-    if spec.balance_fc_init:
-        balance_fc_init(draft, store)
     last = train_loop(draft, store, train, work_dir / f"run-{kind}")
     heldout = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
     code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
@@ -159,12 +182,50 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         "minutes": round((time.time() - started) / 60, 1),
         "hardware": hardware(target.device),
         "steps_run": last.get("step"),
+        "init_from": previous,
         "data": asdict(data),
         "draft": asdict(spec),
         "train": asdict(train),
     }
     save_draft(draft, Path(out), summary, save_dtype)
     return summary
+
+
+def previous_training(path: Path) -> dict:
+    """What a warm start continues: the draft's folder and, from its training summary when it has one, its steps,
+    batch, data and hardware, and what it was itself continued from (a chain across sessions)."""
+    summary_file = path / "training_summary.json"
+    earlier = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    train = earlier.get("train", {})
+    return {"path": str(path), "steps": earlier.get("steps_run") or train.get("max_steps"),
+            "sequences_per_step": train.get("sequences_per_step"),
+            "anchors_per_sequence": train.get("anchors_per_sequence"),
+            "train_tokens_assistant": earlier.get("train_tokens_assistant"), "hardware": earlier.get("hardware"),
+            "command": earlier.get("command"), "init_from": earlier.get("init_from")}
+
+
+def training_history(previous: dict | None) -> str:
+    """The card's lines on the earlier training a warm-started draft carries, newest first."""
+    lines = []
+    while previous:
+        batch = (f" of {previous['sequences_per_step']} x {previous['anchors_per_sequence']}"
+                 if previous.get("sequences_per_step") else "")
+        data = (f" on {previous['train_tokens_assistant']} assistant tokens"
+                if previous.get("train_tokens_assistant") else "")
+        lines.append(f"- Continued from `{previous['path']}`: {previous.get('steps') or 'unknown'} steps{batch}{data}"
+                     f" on {previous.get('hardware') or 'unrecorded hardware'}"
+                     + (f" (`{previous['command']}`)." if previous.get("command") else "."))
+        previous = previous.get("init_from")
+    return "".join(line + "\n" for line in lines)
+
+
+def warm_start_gain(previous: dict | None) -> str:
+    """The card's line on what the draft it continued reached on the same held-out answers."""
+    before = (previous or {}).get("heldout_here")
+    if not before:
+        return ""
+    return (f"- Before this run (`{previous['path']}` as it was): {before['tau_decode']:.2f} along the decode walk, "
+            f"{before['tau_anchors']:.2f} over every anchor, on the same held-out answers.\n")
 
 
 def save_draft(draft, out: Path, summary: dict, dtype: torch.dtype) -> None:
@@ -231,13 +292,13 @@ from {vocab}.{heads}
 {train['anchors_per_sequence']} anchors, AdamW (lr {train['learning_rate']}, cosine schedule), {precision} on
   {summary.get('hardware', 'one CPU thread')}: {summary['minutes']} minutes for this command (data and features are
   cached in the work directory and reused by later runs).
-
+{training_history(summary.get('init_from'))}
 ## Measured
 - Final training loss {last.get('loss', float('nan')):.3f}.
 - Held-out tau (greedy, block {spec['block_size']}, teacher-forced on the target's own answers): {heldout['tau_decode']:.2f}
   along the greedy decode walk, {heldout['tau_anchors']:.2f} averaged over every anchor ({heldout['blocks']} blocks,
   {heldout['sequences']} sequences).
-{evaluation}
+{warm_start_gain(summary.get('init_from'))}{evaluation}
 ## Limits
 - Made for this exact target; useless with another one.
 - A small training budget ({budget}): acceptance is far below what drafts trained on
@@ -291,6 +352,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--corpus", type=Path, default=None,
                         help="train on the answer shards of this folder (e.g. data/smollm2-135m, made by `dflash-hf "
                              "corpus`) instead of generating data")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue training the draft saved in this folder (e.g. a shipped one on a grown "
+                             "corpus): its weights and vocabulary, a new schedule of --max-steps steps; its shape "
+                             "must match the run's")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 where fast), float32, ...")
     parser.add_argument("--device", default=None, help="where the target answers and the draft trains (default: "
@@ -351,6 +416,8 @@ def run(args) -> int:
 
     command = "dflash-hf " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     kinds = ("dflash", "dspark") if args.kind == "both" else (args.kind,)
+    if args.init_from is not None and args.kind == "both":
+        raise SystemExit("--init-from continues one draft: pass --kind dflash, dspark or dflash2 with it.")
     preset = PRESETS[args.preset]
     target_name = args.target or preset.target
     target, tokenizer = load_target(target_name, args.dtype, args.device or default_device())
@@ -360,7 +427,7 @@ def run(args) -> int:
             args.preset, kind, out, work_dir=args.work_dir, command=command, data_overrides=picked(_DATA_FLAGS),
             spec_overrides=picked(_SPEC_FLAGS), train_overrides=picked(_TRAIN_FLAGS),
             online_features=args.online_features, target=target, tokenizer=tokenizer, target_name=target_name,
-            corpus=args.corpus,
+            corpus=args.corpus, init_from=args.init_from,
         )
         heldout = summary["heldout"]
         print(f"{kind}: held-out tau {heldout['tau_decode']:.2f} (decode walk), {heldout['tau_anchors']:.2f} "

@@ -202,6 +202,37 @@ def build_draft(target, spec: DraftSpec, vocab_mapping=None, seed: int = 0) -> D
     return draft
 
 
+# Config fields that fix what a draft computes: a warm start must agree with the run's spec on every one.
+_WARM_START_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "target_layer_ids", "block_size", "mask_token_id",
+                      "draft_vocab_size", "markov_rank", "markov_head_type", "enable_confidence_head",
+                      "confidence_head_with_markov", "sample_from_anchor", "conv_kernel_size", "conv_group_size",
+                      "selector_rank", "selector_top_k")
+
+
+def warm_start_draft(target, spec: DraftSpec, path: Path) -> DFlashDraftModel:
+    """The draft saved in `path` (weights and, for DSpark, its pruned vocabulary), to train further, e.g. a shipped
+    draft continued on a larger corpus in a later session. Its config must match the draft `spec` describes (named
+    field by field), so a warm start never silently trains another shape."""
+    wanted = draft_config_for(target, spec)
+    classes = {"dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel, "dflash": DFlashDraftModel}
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"No draft to warm-start from in {path}: it has no config.json.")
+    saved_type = json.loads(config_file.read_text()).get("model_type")
+    if saved_type != wanted.model_type:
+        raise ValueError(f"The draft in {path} is a {saved_type!r} draft, but this run trains {spec.kind!r} (--kind).")
+    draft = classes[spec.kind].from_pretrained(path, dtype=torch.float32)
+    for name in _WARM_START_FIELDS:
+        have, want = getattr(draft.config, name, None), getattr(wanted, name, None)
+        if have != want:
+            raise ValueError(f"The draft in {path} has {name}={have!r}, but this run's spec gives {want!r}: pass its "
+                             f"value (its config.json) or train from scratch.")
+    draft.to(target.device)
+    draft.bind_target(target)
+    return draft
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Anchors, batches and the training attention mask
 # ----------------------------------------------------------------------------------------------------------------------
