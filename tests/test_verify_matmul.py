@@ -47,6 +47,22 @@ def test_a_verify_forward_computes_the_same_product_weight_first(shape, bias):
     assert swapped(layer) == []
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_by_a_weight_past_the_caches_is_taken_as_two(bias):
+    torch.manual_seed(0)
+    weight = torch.randn(verify_matmul.LARGE_WEIGHT // 64, 64)
+    b = torch.randn(weight.shape[0]) if bias else None
+    for x, path in ((torch.randn(1, 1, 64), ["mm"]), (torch.randn(64), ["mm"])):
+        with CalledFunctions() as calls:
+            got = verify_matmul.linear(x, weight, b)
+        assert calls.names == path and got.shape == F.linear(x, weight, b).shape and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    small = weight[: weight.shape[0] // 2]  # below the threshold: the one-row product stays F.linear's
+    with CalledFunctions() as calls:
+        verify_matmul.linear(torch.randn(1, 64), small)
+    assert calls.names == ["linear"]
+
+
 def test_outside_a_verify_the_layers_run_f_linear_bit_for_bit():
     torch.manual_seed(0)
     layer = nn.Linear(24, 40)

@@ -14,7 +14,7 @@ relative): greedy output stays the target's except on a near-tie, as for any flo
 switches (oneDNN's bf16 matmuls are row-invariant there and exactness rests on it), nor on GPUs, nor for layers
 that are not plain `nn.Linear` (quantized, offloaded by accelerate, already wrapped). A draft's own head, whose
 numbers need no such care, always takes the faster product (`linear`): a DFlash draft proposing 3 slots multiplies 3
-rows by the target's whole vocabulary head.
+rows by the target's whole vocabulary head, one proposing a single slot one row.
 """
 
 import contextvars
@@ -28,6 +28,10 @@ from torch import nn
 
 # Rows per forward (over the whole batch) that go weight-first; the measured gain ends at about 6 rows.
 VERIFY_ROWS = range(2, 6)
+# One row by a weight of at least this many elements (32 MiB in float32, past the last-level cache) is cheaper as
+# two: MKL's one-row GEMV streamed a draft's 49k x 576 head in 11-13 ms, its two-column product in 6 (AMD EPYC); at
+# 4k x 576, which the caches hold, the GEMV is faster.
+LARGE_WEIGHT = 1 << 23
 VERIFY_MATMULS = ("auto", "linear")  # `dflash_verify_matmul`: auto = as above on CPU float32; linear = F.linear always
 
 _verifying: contextvars.ContextVar = contextvars.ContextVar("dflash_verifying", default=False)
@@ -36,11 +40,17 @@ _lock = threading.Lock()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, computed weight-first where that is the faster product: 2-5 rows of float32 on a CPU."""
+    """`F.linear`, computed weight-first where that is the faster product of float32 on a CPU: 2-5 rows, and one
+    row by a weight larger than the caches (taken as two equal rows; only drafts' heads multiply one so)."""
     rows = x.numel() // x.shape[-1]
-    if rows not in VERIFY_ROWS or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    if rows == 1 and weight.numel() >= LARGE_WEIGHT:
+        out = torch.mm(weight, x.reshape(1, -1).repeat(2, 1).t())[:, :1].t().contiguous()
+    elif rows in VERIFY_ROWS:
+        out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    else:
+        return F.linear(x, weight, bias)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
