@@ -293,6 +293,52 @@ def test_run_bench_raises_on_mismatch(tiny_pair):
         bench.run_bench(target, tokenizer, paths + [_broken_path(target)], samples, settings, extra, progress=False)
 
 
+def test_repeats_keep_the_fastest_run_and_check_every_one(tiny_pair):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair / "target")
+    settings = bench.BenchSettings(max_new_tokens=6, warmup_new_tokens=0, repeats=3)
+    paths, _, extra = bench.build_paths(target, {}, settings)
+    order = []
+
+    def logged(path):
+        def generate(*args):
+            order.append(path.name)
+            return path.generate(*args)
+        return bench.BenchPath(path.name, path.description, generate, path.speculative, path.stats_draft)
+
+    paths = [logged(p) for p in paths]
+    samples = [bench.Sample("s1", "c", ["hello"]), bench.Sample("s2", "c", ["bye"])]
+    records = bench.run_bench(target, tokenizer, paths, samples, settings, extra, progress=False)
+    names = [p.name for p in paths]
+    assert len(order) == 2 * 3 * len(names)
+    firsts = [order[i] for i in range(0, len(order), len(names))]
+    assert firsts == [names[(g + r) % len(names)] for g in range(2) for r in range(3)]  # rotated per repeat too
+    for record in records:
+        for gen in record["paths"].values():
+            assert len(gen["time_s_runs"]) == 3 and gen["time_s"] == min(gen["time_s_runs"])
+
+    calls = []
+    broken = _broken_path(target)
+
+    def broken_on_the_second_run(ids, mask, max_new_tokens):  # exact, except once
+        calls.append(1)
+        if len(calls) == 2:
+            return broken.generate(ids, mask, max_new_tokens)
+        return target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+
+    flaky = bench.BenchPath("broken_on_purpose", "exact but for one run", broken_on_the_second_run)
+    with pytest.raises(bench.BenchMismatchError, match="broken_on_purpose"):
+        bench.run_bench(target, tokenizer, paths + [flaky], samples[:1], settings, extra, progress=False)
+
+
+def test_bad_repeats_are_refused(tiny_pair, capsys):
+    assert cli.main(_bench_args(tiny_pair, "--repeats", "0")) == 2
+    assert cli.main(_bench_args(tiny_pair, "--repeats", "2", "--batch-size", "2")) == 2
+    assert capsys.readouterr().err.count("--repeats") == 2
+
+
 def test_sampling_runs_without_exactness_claim(tiny_pair, tmp_path):
     out = tmp_path / "r.json"
     assert cli.main(_bench_args(tiny_pair, "--temperature", "0.8", "--max-samples", "1", "--json", str(out))) == 0

@@ -50,6 +50,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--warmup-tokens", type=int, default=WARMUP_NEW_TOKENS)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every path this many times per prompt (interleaved) and keep its fastest run: "
+                             "per-prompt ratios with less noise (not with --batch-size)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write the PNG here")
     parser.add_argument("--no-progress", action="store_true")
@@ -110,6 +113,9 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     samples = select_samples(all_samples, args.max_samples)
+    if args.repeats < 1 or (args.repeats > 1 and args.batch_size):
+        print(f"error: --repeats {args.repeats}: expected a positive count, and 1 with --batch-size", file=sys.stderr)
+        return 2
     try:
         target, tokenizer, drafts, models = load_models(args.target, args.draft, args.kind, args.dtype)
     except ValueError as error:  # no such draft, or a checkpoint that does not load: one line, no traceback
@@ -130,6 +136,7 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         prompt_lookup_num_tokens=args.prompt_lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS,
         warmup_new_tokens=args.warmup_tokens, policy=args.policy, verify_matmul=args.verify_matmul,
+        repeats=args.repeats,
     )
     if args.batch_size:
         return _run_batched(args, target, tokenizer, drafts, samples, settings, models)

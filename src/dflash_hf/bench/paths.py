@@ -41,6 +41,7 @@ class BenchSettings:
     warmup_new_tokens: int = WARMUP_NEW_TOKENS
     policy: str = "auto"
     verify_matmul: str = "auto"  # `dflash_verify_matmul` of our paths
+    repeats: int = 1  # runs of every path per turn (interleaved); the fastest is kept
 
     @property
     def greedy(self) -> bool:
