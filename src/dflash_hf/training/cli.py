@@ -224,8 +224,8 @@ def warm_start_gain(previous: dict | None) -> str:
     before = (previous or {}).get("heldout_here")
     if not before:
         return ""
-    return (f"- Before this run (`{previous['path']}` as it was): {before['tau_decode']:.2f} along the decode walk, "
-            f"{before['tau_anchors']:.2f} over every anchor, on the same held-out answers.\n")
+    return (f"- The draft it continued (`{previous['path']}` before this run) reached {before['tau_decode']:.2f} along "
+            f"the decode walk and {before['tau_anchors']:.2f} over every anchor on the same held-out answers.\n")
 
 
 def save_draft(draft, out: Path, summary: dict, dtype: torch.dtype) -> None:
