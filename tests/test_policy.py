@@ -228,13 +228,15 @@ def test_fixed_policy_is_todays_behaviour():
         LengthPolicy(MeasuredCosts(), max_slots=7, mode="fastest")
 
 
-def slow_rows(target, per_extra_row_s: float):
-    """Make each target forward cost `per_extra_row_s` per row beyond the first (a CPU's verify, exaggerated)."""
+def slow_rows(target, per_extra_row_s: float, base_s: float = 0.0):
+    """Make each target forward cost `base_s` more, and `per_extra_row_s` per row beyond the first (a CPU's verify,
+    exaggerated). A base that dwarfs the tiny model's own time makes the costs the policy measures these, not the
+    machine's noise (a busy core once made 5 rows look dearer than 4)."""
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and ids.shape[1] > 1:
-            time.sleep(per_extra_row_s * (ids.shape[1] - 1))
+        rows = 0 if ids is None else ids.shape[1]
+        time.sleep(base_s + per_extra_row_s * max(rows - 1, 0))
 
     return target.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -262,8 +264,12 @@ def test_generate_drafts_full_blocks_when_rows_are_cheap_and_drafts_right():
     draft = oracle_dspark(target, block_size=6)
     ids = torch.tensor([[4, 5]])
     expected = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None)
-    out = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None, assistant_model=draft,
-                          generation_config=GenerationConfig(dflash_policy="auto"))
+    handle = slow_rows(target, 0.0, base_s=0.05)  # every forward ~50 ms, whatever its rows
+    try:
+        out = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None, assistant_model=draft,
+                              generation_config=GenerationConfig(dflash_policy="auto"))
+    finally:
+        handle.remove()
     assert torch.equal(out, expected)
     steps = draft.generation_stats["policy"]
     slots = draft.config.num_speculative_slots
