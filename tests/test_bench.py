@@ -23,7 +23,7 @@ PROMPTS = [
     {"turns": ["write code for a loop", "now make it faster"], "category": "code", "id": "two-turns"},
     {"prompt": "abc abc abc abc abc", "category": "chat"},
 ]
-PATH_NAMES = ["baseline", "dflash_hf", "dspark_hf", "dflash_hf_lookup", "dspark_hf_lookup", "transformers_dflash", "prompt_lookup",
+PATH_NAMES = ["baseline", "target_again", "dflash_hf", "dspark_hf", "dflash_hf_lookup", "dspark_hf_lookup", "transformers_dflash", "prompt_lookup",
               "zlab_dflash"]
 
 
@@ -217,6 +217,8 @@ def test_whole_command_on_tiny_models(tiny_pair, tmp_path, capsys):
         assert path["tau"] >= 1.0 and path["tokens_per_s"] > 0 and path["speedup"] > 0
         assert set(path["tau_per_category"]) == {"chat", "code"}
     assert report["paths"]["baseline"]["tau"] == 1.0
+    # the target run again: one token per forward, and the table says what its spread means
+    assert report["paths"]["target_again"]["tau"] == 1.0 and "noise floor" in table
     for record in report["generations"]:
         base_tokens = record["paths"]["baseline"]["new_tokens"]
         for name in ok:
@@ -226,6 +228,9 @@ def test_whole_command_on_tiny_models(tiny_pair, tmp_path, capsys):
             assert 1 + sum(gen["acceptance_lengths"]) == gen["new_tokens"]
             if "acceptance_lengths_reported" in gen:  # our generator's own books agree with the hooks
                 assert gen["acceptance_lengths_reported"] == gen["acceptance_lengths"]
+                # and say what each step proposed: never fewer than it accepted
+                assert len(gen["proposed"]) == len(gen["acceptance_lengths"])
+                assert all(k >= n - 1 for k, n in zip(gen["proposed"], gen["acceptance_lengths"]))
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -379,7 +384,7 @@ def test_a_dflash2_draft_gets_its_own_paths(tiny_pair, tmp_path):
     assert cli.main(args) == 0
     report = json.loads(out.read_text())
     ok = [name for name, path in report["paths"].items() if path["status"] == "ok"]
-    assert ok == ["baseline", "dflash2_hf", "dflash2_hf_lookup", "prompt_lookup"]
+    assert ok == ["baseline", "target_again", "dflash2_hf", "dflash2_hf_lookup", "prompt_lookup"]
     assert report["exact"] is True and report["paths"]["dflash2_hf"]["tau"] >= 1.0
     assert all(g["paths"]["dflash2_hf"]["new_tokens"] == 20 for g in report["generations"])
     assert set(report["settings"]["models"]["drafts"]) == {"dflash2"}

@@ -1,6 +1,7 @@
 """`dflash-hf bench`: acceptance length, tokens/s and speed-up on real prompts, against what users would use instead.
 
-One run measures, interleaved per prompt with the same seed: plain `target.generate` (the baseline), our speculative
+One run measures, interleaved per prompt with the same seed: plain `target.generate` (the baseline, and once more as
+`target_again`, whose per-prompt ratios are the run's noise floor), our speculative
 generate (DFlash and/or DSpark), transformers' built-in `speculation_type="dflash"` on the same DFlash weights,
 prompt-lookup decoding, and z-lab's `dflash_generate` (PyPI `dflash`) on the same weights where it can run them.
 Under greedy decoding every path must reproduce the baseline token for token; a path that does not stops the run.
@@ -40,6 +41,7 @@ from .paths import (
     OURS_LOOKUP,
     POLICIES,
     PROMPT_LOOKUP,
+    TARGET_AGAIN,
     TRANSFORMERS_DFLASH,
     WARMUP_NEW_TOKENS,
     ZLAB,
@@ -71,6 +73,7 @@ __all__ = [
     "OURS_LOOKUP",
     "POLICIES",
     "PROMPT_LOOKUP",
+    "TARGET_AGAIN",
     "SCHEMA_NAME",
     "SCHEMA_VERSION",
     "Sample",

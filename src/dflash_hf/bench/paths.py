@@ -21,6 +21,9 @@ WARMUP_NEW_TOKENS = 16
 
 # Path names, in table order. `baseline` must come first: every other path is compared with it.
 BASELINE = "baseline"
+# The target alone again, timed like any path: its per-prompt ratios are the run's noise floor (a path that decodes
+# exactly as the target does scatters as widely), against which the other paths' worst prompts are read.
+TARGET_AGAIN = "target_again"
 OURS = {"dflash": "dflash_hf", "dspark": "dspark_hf", "dflash2": "dflash2_hf"}
 OURS_LOOKUP = {kind: name + "_lookup" for kind, name in OURS.items()}  # the draft plus prompt lookup where it matches
 # The speculation-length policies of our paths (`dflash_policy`): `--policy both` runs each of our paths under both,
@@ -113,9 +116,13 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
                 ) -> tuple[list[BenchPath], dict[str, str], list[torch.nn.Module]]:
     """(paths to run, skipped path -> reason, extra draft modules the hooks must time)."""
     hf = _hf_kwargs(settings, pad_token_id)
-    paths = [BenchPath(BASELINE, "target.generate, no draft",
-                       lambda ids, mask, n: target.generate(ids, attention_mask=mask, max_new_tokens=n, **hf),
-                       speculative=False)]
+
+    def plain(ids, mask, n):
+        return target.generate(ids, attention_mask=mask, max_new_tokens=n, **hf)
+
+    paths = [BenchPath(BASELINE, "target.generate, no draft", plain, speculative=False),
+             BenchPath(TARGET_AGAIN, "target.generate again, no draft: the noise floor of the per-prompt ratios",
+                       plain, speculative=False)]
     skipped: dict[str, str] = {}
     extra_modules: list[torch.nn.Module] = []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .metrics import _ratio, ideal_speedup, json_safe, spread, tau
-from .paths import BASELINE, BenchPath, BenchSettings
+from .paths import BASELINE, TARGET_AGAIN, BenchPath, BenchSettings
 
 SCHEMA_NAME = "dflash-hf-bench"
 # Bump on any change a reader of the JSON would notice (renamed, removed or re-defined fields).
@@ -205,6 +205,8 @@ def format_table(report: dict) -> str:
     lines.append("")
     lines.append("speedup: median over prompts of (path tok/s / baseline tok/s); worst: the slowest prompt's; decode: the same excluding prefill; "
                  "ideal: tau x decode step / (verify step + draft step); eff = decode / ideal.")
+    if TARGET_AGAIN in ok:
+        lines.append(f"{TARGET_AGAIN}: the target alone, run again: its spread is this run's noise floor.")
     if report["exact"]:
         lines.append("every path reproduced the baseline's greedy tokens exactly.")
     return "\n".join(lines)
@@ -218,7 +220,7 @@ def plot_report(report: dict, out_path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = {name: p for name, p in report["paths"].items() if p["status"] == "ok"}
-    speculative = [name for name in ok if name != BASELINE]
+    speculative = [name for name in ok if name not in (BASELINE, TARGET_AGAIN)]
     figure, (hist_ax, bar_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
     max_len = max([int(k) for name in speculative for k in ok[name]["acceptance_histogram"]] + [1])
     width = 0.8 / max(len(speculative), 1)

@@ -29,9 +29,10 @@ def _record(path: BenchPath, log: ForwardLog, sequence: torch.Tensor, prompt_len
         stats = path.stats_draft.generation_stats
         draft_s = float(stats["time_s"]["draft"])
         own_lengths = list(stats["acceptance_lengths"])
+        proposed = [step["k"] for step in stats["policy"]]  # what the length policy chose (0: a decode step)
     else:
         draft_s = log.draft_module_s + log.head_outside_s
-        own_lengths = None
+        own_lengths = proposed = None
     record = {
         "new_tokens": int(sequence.shape[-1] - prompt_length),
         "time_s": wall_s,
@@ -44,6 +45,7 @@ def _record(path: BenchPath, log: ForwardLog, sequence: torch.Tensor, prompt_len
     }
     if own_lengths is not None:
         record["acceptance_lengths_reported"] = own_lengths
+        record["proposed"] = proposed
     return record
 
 
