@@ -231,7 +231,7 @@ def test_fixed_policy_is_todays_behaviour():
 def slow_rows(target, per_extra_row_s: float, base_s: float = 0.0):
     """Make each target forward cost `base_s` more, and `per_extra_row_s` per row beyond the first (a CPU's verify,
     exaggerated). A base that dwarfs the tiny model's own time makes the costs the policy measures these, not the
-    machine's noise (a busy core once made 5 rows look dearer than 4)."""
+    machine's noise (a busy core once made a full block's verify look dearer than a shorter one's)."""
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
