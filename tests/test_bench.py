@@ -112,6 +112,7 @@ def test_report_schema_is_strict_json():
                            "exact", "paths", "generations"}
     assert report["baseline_decode_ms"] == pytest.approx(100.0)
     assert report["paths"]["zlab_dflash"] == {"status": "skipped", "reason": "not installed"}
+    assert (report["paths"]["baseline"]["speculative"], report["paths"]["spec"]["speculative"]) == (False, True)
     for name in ("baseline", "spec"):
         assert {"tau", "tokens_per_s", "speedup", "speedup_per_prompt", "ideal_speedup", "tau_per_category",
                 "time_share", "acceptance_histogram"} <= set(report["paths"][name])

@@ -58,8 +58,10 @@ GenerateFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 class BenchPath:
     """One way of generating: `generate(input_ids, attention_mask, max_new_tokens)` -> full sequence [1, T].
 
-    `stats_draft`: a draft whose `generation_stats` (our generator's books) give the draft time; otherwise the
-    draft time is what the hooks saw inside draft forwards and the target's lm_head called from outside it.
+    `speculative`: False for the target alone (the baseline, `target_again`), which the plots and the loop-overhead
+    script leave out. `stats_draft`: a draft whose `generation_stats` (our generator's books) give the draft time;
+    otherwise the draft time is what the hooks saw inside draft forwards and the target's lm_head called from outside
+    it.
     """
 
     name: str

@@ -128,7 +128,7 @@ def build_report(records: list[dict], paths: list[BenchPath], skipped: dict[str,
     """The JSON document: schema, machine, settings, per-path figures, and the raw per-generation records."""
     base_steps = sum(len(record["paths"][BASELINE]["acceptance_lengths"]) for record in records)
     decode_step_s = _ratio(_sum(records, BASELINE, "verify_s"), base_steps)
-    summaries = {path.name: {"description": path.description,
+    summaries = {path.name: {"description": path.description, "speculative": path.speculative,
                              **summarize_path(records, path.name, decode_step_s, settings.greedy)} for path in paths}
     for name, reason in skipped.items():
         summaries[name] = {"status": "skipped", "reason": reason}
@@ -220,7 +220,7 @@ def plot_report(report: dict, out_path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = {name: p for name, p in report["paths"].items() if p["status"] == "ok"}
-    speculative = [name for name in ok if name not in (BASELINE, TARGET_AGAIN)]
+    speculative = [name for name, p in ok.items() if p["speculative"]]
     figure, (hist_ax, bar_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
     max_len = max([int(k) for name in speculative for k in ok[name]["acceptance_histogram"]] + [1])
     width = 0.8 / max(len(speculative), 1)
