@@ -81,11 +81,16 @@ def kimi_dspark_draft(seed: int = 0) -> DSparkDraftModel:
 
 
 def tiny_dflash_draft(seed: int = 0, num_layers: int = 2, layer_ids=(0, 2), own_embeddings: bool = False,
-                      **extra) -> DFlashDraftModel:
+                      draft_vocab_size: int | None = None, **extra) -> DFlashDraftModel:
+    """draft_vocab_size: pruned after the fact (`prune_vocabulary`) to that many random target ids."""
     torch.manual_seed(seed)
     config = DFlashConfig(**{**TINY, **extra}, num_hidden_layers=num_layers, num_target_layers=TINY_TARGET_LAYERS,
                           target_layer_ids=list(layer_ids), shares_target_embeddings=not own_embeddings)
-    return _randomize(DFlashDraftModel(config)).to(torch.bfloat16)
+    draft = _randomize(DFlashDraftModel(config))
+    if draft_vocab_size is not None:
+        d2t, _ = _pruned_maps(config.vocab_size, draft_vocab_size, seed)
+        draft.prune_vocabulary(d2t + torch.arange(draft_vocab_size))
+    return draft.to(torch.bfloat16)
 
 
 def tiny_dflash2_draft(seed: int = 0, num_layers: int = 2, layer_ids=(0, 2), spread: float = 0.5,

@@ -2,6 +2,7 @@
 weights, generation token-for-token identical to the target alone under greedy and distributed as the target under
 sampling, and the config, registration and remote-code rules."""
 
+import copy
 import functools
 import math
 import sys
@@ -468,6 +469,15 @@ def random_pair(family: str):
 
 
 @functools.cache
+def random_pruned_pair(family: str):
+    """`random_pair`'s draft proposing from 11 of the 16 ids (its candidates are the top-5 of those)."""
+    target, draft = random_pair(family)
+    pruned = copy.deepcopy(draft)
+    pruned.prune_vocabulary([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14])
+    return target, pruned
+
+
+@functools.cache
 def successor_target(family: str):
     """The family's tiny target made to say `current + 1` (mod vocabulary) greedily."""
     torch.manual_seed(7)
@@ -511,7 +521,8 @@ def test_greedy_is_exact(family, data):
         wrong = data.draw(st.sets(st.integers(0, SMALL_VOCAB - 1), max_size=4), label="wrong_after")
         draft = oracle_dflash2(target, block_size, tuple(sorted(wrong)))
     else:
-        target, draft = random_pair(family)
+        pruned = data.draw(st.booleans(), label="pruned vocabulary")
+        target, draft = (random_pruned_pair if pruned else random_pair)(family)
         draft.config.block_size = block_size
     policy = data.draw(st.sampled_from(["fixed", "fixed", "auto"]), label="policy")
     prompt = data.draw(st.lists(st.integers(3, SMALL_VOCAB - 1), min_size=1, max_size=10), label="prompt")
@@ -573,7 +584,7 @@ RUNS = 1000
 
 
 @functools.cache
-def sampling_pair():
+def sampling_pair(kept_ids: tuple | None = None):
     torch.manual_seed(3)
     target = tiny_target("llama", vocab_size=SAMPLE_VOCAB)
     target.generation_config.eos_token_id = None
@@ -581,6 +592,8 @@ def sampling_pair():
         target.lm_head.weight.mul_(10)
     # K = 3 of 6: q lives on the candidates only, and the selector's scores (not the raw logits) decide within them.
     draft = random_dflash2(target, block_size=4, seed=5, selector_top_k=3, selector_rank=4, spread=1.0)
+    if kept_ids is not None:
+        draft.prune_vocabulary(kept_ids)
     return target, draft
 
 
@@ -629,8 +642,10 @@ def chi_square_p_value(counts, probs):
     return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
-def test_sampling_matches_the_target_distribution():
-    target, draft = sampling_pair()
+@pytest.mark.parametrize("kept_ids", [None, (0, 2, 3, 5)], ids=["full", "pruned"])
+def test_sampling_matches_the_target_distribution(kept_ids):
+    """Pruned: the candidates are the top 3 of the 4 kept ids, mapped to target ids before the codebooks."""
+    target, draft = sampling_pair(kept_ids)
     counts, accepted = sampled_pair_counts(target, draft)
     assert accepted > RUNS // 4  # rejection sampling really accepted proposals
     assert chi_square_p_value(counts, exact_pair_distribution(target, PROMPT)) > 1e-3

@@ -70,8 +70,7 @@ def _modelopt_kimi(root):
 
 def _speculators_dflash_pruned(root):
     # speculators' trainer prunes the vocabulary by default: a DFlash draft with d2t/t2d and its own head rows.
-    draft = dialects.tiny_dspark_draft(seed=3, markov_rank=0, confidence=False, draft_vocab_size=40,
-                                       sample_from_anchor=False)
+    draft = dialects.tiny_dflash_draft(seed=3, own_embeddings=True, draft_vocab_size=40)
     return draft, _speculators(root, "spec-dflash-pruned", draft), {}
 
 

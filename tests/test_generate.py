@@ -25,8 +25,11 @@ FIXED = GenerationConfig(dflash_policy="fixed")
 @functools.cache
 def pair(family: str, kind: str):
     target = tiny_target(family, vocab_size=SMALL_VOCAB)
-    if kind == "dflash":
-        return target, random_dflash(target, num_layers=2, layer_ids=[0, 2])
+    if kind.startswith("dflash"):
+        draft = random_dflash(target, num_layers=2, layer_ids=[0, 2])
+        if kind == "dflash-pruned":  # never proposes 4, 7, 10, 13: the target's picks among them are rejections
+            draft.prune_vocabulary([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15])
+        return target, draft
     draft = random_dspark(target, markov_rank=4, markov_head_type=HEAD_TYPE[family], draft_vocab_size=12)
     kept = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15])
     t2d = torch.zeros(SMALL_VOCAB, dtype=torch.bool)
@@ -47,7 +50,7 @@ def greedy(target, ids, **kwargs):
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_greedy_is_exact(family, data):
-    kind = data.draw(st.sampled_from(["dflash", "dspark"]), label="kind")
+    kind = data.draw(st.sampled_from(["dflash", "dflash-pruned", "dspark"]), label="kind")
     target, draft = pair(family, kind)
     draft.config.block_size = data.draw(st.integers(2, 16), label="block_size")
     gen = {}
@@ -145,13 +148,16 @@ def test_context_fed_incrementally_equals_recomputed_from_scratch():
 SAMPLE_VOCAB = 6
 
 
-def _sampling_pair():
+def _sampling_pair(kept_ids=None):
     torch.manual_seed(3)
     target = tiny_target("llama", vocab_size=SAMPLE_VOCAB)
     target.generation_config.eos_token_id = None
     with torch.no_grad():
         target.lm_head.weight.mul_(10)  # spread but position-dependent distributions (the largest cell holds ~0.3)
-    return target, random_dflash(target, block_size=4, seed=5)
+    draft = random_dflash(target, block_size=4, seed=5)
+    if kept_ids is not None:
+        draft.prune_vocabulary(kept_ids)
+    return target, draft
 
 
 SAMPLING = dict(do_sample=True, temperature=0.6, top_k=4, repetition_penalty=1.3)
@@ -218,6 +224,15 @@ def test_sampling_matches_the_target_distribution(policy):
     target, draft = _sampling_pair()
     probs = exact_pair_distribution(target, PROMPT)
     counts = sampled_pair_counts(target, draft, PROMPT, RUNS, policy=policy)
+    assert sum(draft.generation_stats["acceptance_lengths"]) > 0
+    assert chi_square_p_value(counts, probs) > 1e-3
+
+
+def test_sampling_with_a_pruned_vocabulary_matches_the_target_distribution():
+    """q is zero on the ids the draft cannot propose (2 and 4, which the target samples often): still exact."""
+    target, draft = _sampling_pair(kept_ids=[0, 1, 3, 5])
+    probs = exact_pair_distribution(target, PROMPT)
+    counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
     assert chi_square_p_value(counts, probs) > 1e-3
 

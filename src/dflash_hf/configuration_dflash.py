@@ -51,6 +51,9 @@ class DFlashConfig(PretrainedConfig):
         shares_target_input_embedding: the draft has no input embedding of its own and borrows the target's.
         shares_target_lm_head: the draft has no lm_head of its own and borrows the target's (the kept rows of it,
             for a pruned vocabulary). speculators 0.9.0 ships a pruned lm_head but borrows the embedding.
+        draft_vocab_size: size of the draft's output vocabulary; `vocab_size` (None) when it proposes from all of
+            it. Smaller: the draft proposes only the target ids its `d2t`/`t2d` maps keep, and its head computes
+            only their rows (a CPU draft step's largest cost with a 49k-151k vocabulary). Verification stays exact.
         shares_target_embeddings: the earlier single flag, still read: both of the above at once. Reading it back
             tells whether the draft borrows both.
         use_kernels: "auto" (Triton kernels on CUDA when they load, else torch), "1" (kernels or an error) or "0"
@@ -92,10 +95,12 @@ class DFlashConfig(PretrainedConfig):
         shares_target_lm_head: bool | None = None,
         shares_target_embeddings: bool | None = None,
         use_kernels: str | None = None,
+        draft_vocab_size: int | None = None,
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
         self.vocab_size = vocab_size
+        self.draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
@@ -220,6 +225,9 @@ class DFlashConfig(PretrainedConfig):
             raise _invalid("sliding_window", self.sliding_window, "a positive integer when a layer slides")
         if self.rope_parameters["rope_type"] != "default" and "factor" not in self.rope_parameters:
             raise _invalid("rope_parameters", self.rope_parameters, "a `factor` for a scaled RoPE type")
+        draft_vocab = self.draft_vocab_size
+        if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or not 0 < draft_vocab <= self.vocab_size:
+            raise _invalid("draft_vocab_size", draft_vocab, f"an integer in [1, vocab_size={self.vocab_size}]")
 
     @property
     def num_speculative_slots(self) -> int:
@@ -228,14 +236,13 @@ class DFlashConfig(PretrainedConfig):
 
     @property
     def drafts_pruned_vocab(self) -> bool:
-        return False
+        return self.draft_vocab_size < self.vocab_size
 
 
 class DSparkConfig(DFlashConfig):
     r"""Configuration of a DSpark draft: DFlash plus a Markov logit bias and a confidence head.
 
     DSpark fields:
-        draft_vocab_size: size of the draft's (possibly pruned) output vocabulary; `vocab_size` when unpruned.
         markov_rank: rank `r` of the Markov bias `W2(W1[prev])`; 0 disables it.
         markov_head_type: "vanilla", "gated" or "rnn".
         enable_confidence_head: predict per-slot acceptance from `[h_k ; W1[prev_k]]` (or `h_k`).
@@ -250,7 +257,6 @@ class DSparkConfig(DFlashConfig):
 
     def __init__(
         self,
-        draft_vocab_size: int | None = None,
         markov_rank: int = 0,
         markov_head_type: str = "vanilla",
         enable_confidence_head: bool = False,
@@ -259,7 +265,6 @@ class DSparkConfig(DFlashConfig):
         confidence_threshold: float | None = None,
         **kwargs,
     ):
-        self.draft_vocab_size = draft_vocab_size
         self.markov_rank = markov_rank
         self.markov_head_type = markov_head_type
         self.enable_confidence_head = enable_confidence_head
@@ -267,14 +272,9 @@ class DSparkConfig(DFlashConfig):
         self.sample_from_anchor = sample_from_anchor
         self.confidence_threshold = confidence_threshold
         super().__init__(**kwargs)
-        if self.draft_vocab_size is None:
-            self.draft_vocab_size = self.vocab_size
 
     def validate_draft(self) -> None:
         super().validate_draft()
-        draft_vocab = self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
-        if not isinstance(draft_vocab, int) or not 0 < draft_vocab <= self.vocab_size:
-            raise _invalid("draft_vocab_size", draft_vocab, f"an integer in [1, vocab_size={self.vocab_size}]")
         if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
             raise _invalid("markov_rank", self.markov_rank, "an integer >= 0")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -285,10 +285,6 @@ class DSparkConfig(DFlashConfig):
     @property
     def num_speculative_slots(self) -> int:
         return self.block_size if self.sample_from_anchor else self.block_size - 1
-
-    @property
-    def drafts_pruned_vocab(self) -> bool:
-        return self.draft_vocab_size < self.vocab_size
 
 
 __all__ = ["DFlashConfig", "DSparkConfig", "default_target_layer_ids"]

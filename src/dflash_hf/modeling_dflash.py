@@ -179,9 +179,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     The draft reads the concatenated states of `config.target_layer_ids` (`context_hidden_states`), projects
     them once (`fc` + `hidden_norm`) and keeps their K/V per layer in a `DFlashContextCache`.
+
+    Pruned vocabulary (speculators convention, any draft kind): the draft proposes from `draft_vocab_size` target
+    ids; `d2t[i]` is an offset, target id = `i + d2t[i]`; `t2d[j]` marks the kept target ids.
     """
 
     decoder_layer_class = DFlashDecoderLayer  # a subclass may swap the layer (DFlash 2 wraps its sublayers)
+    always_has_vocab_maps = False  # `d2t`/`t2d` buffers only when the vocabulary is pruned
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
@@ -208,6 +212,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self._kernel_path_chosen = False
         self._draft_step: CompiledDraftStep | None = None  # `compile_draft_step`'s; off by default
         self.markov_head = self.confidence_head = None  # DSpark's heads; a DFlash draft walks without them
+        if config.drafts_pruned_vocab or self.always_has_vocab_maps:
+            # Identity maps until the checkpoint's (or `set_vocab_mapping`'s) are loaded.
+            n = config.draft_vocab_size
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < n)
         self._build_heads(config)
         self.post_init()
 
@@ -215,7 +224,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """Modules a subclass adds on top of the DFlash backbone (before weights are initialised)."""
 
     def _head_vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self.config.draft_vocab_size
 
     # -- embeddings borrowed from the target ---------------------------------------------------------------------------
 
@@ -244,8 +253,66 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if "lm_head" in weights:
             self._target_head = self._select_head_rows(weights["lm_head"].to(device=device, dtype=dtype))
 
+    # -- pruned vocabulary -------------------------------------------------------------------------------------------
+
+    def draft_to_target(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
     def _select_head_rows(self, head: torch.Tensor) -> torch.Tensor:
-        return head
+        if not self.config.drafts_pruned_vocab:
+            return head
+        return head[self.draft_to_target().to(head.device)]
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a pruned-vocabulary mapping after checking it is consistent (offsets <-> kept ids)."""
+        if self._target_head is not None:
+            raise RuntimeError("Set the vocabulary mapping before `bind_target`, which selects the head rows.")
+        check_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def prune_vocabulary(self, kept_ids) -> None:
+        """Propose only from `kept_ids` (target ids, e.g. the most frequent in the draft's training answers, EOS
+        among them) from now on: the head then computes only their rows, which for a 49k-151k vocabulary is most of
+        a CPU draft step. Lossless (verification is unchanged): greedy drafts the best kept id, sampling draws from
+        the softmax over the kept ids, which rejection sampling accepts as the draft's q; a slot whose target token
+        is not kept is simply rejected. For a draft trained on the full vocabulary; `save_pretrained` keeps the
+        result (`draft_vocab_size`, `d2t`, `t2d`)."""
+        if self.config.drafts_pruned_vocab:
+            raise ValueError(f"This draft already proposes from {self.config.draft_vocab_size} ids; prune a draft "
+                             "that keeps the whole vocabulary.")
+        kept = torch.as_tensor(kept_ids, dtype=torch.long).flatten().unique()  # sorted, as `t2d` order requires
+        vocab_size = self.config.vocab_size
+        if kept.numel() == 0 or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
+            raise ValueError(f"`kept_ids` must be a non-empty set of target ids in [0, vocab_size={vocab_size}).")
+        d2t, t2d = vocab_maps(kept, vocab_size)
+        device = self.fc.weight.device
+        rows = kept.to(device)
+        # Every row indexed by a draft id: the own head, DSpark's Markov output, the borrowed head once bound.
+        if not self.config.shares_target_lm_head:
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight[rows].clone())
+            self.lm_head.out_features = kept.numel()
+        if self.markov_head is not None:
+            w2 = self.markov_head.markov_w2
+            w2.weight, w2.out_features = nn.Parameter(w2.weight[rows].clone()), kept.numel()
+        if self._target_head is not None:
+            self._target_head = self._target_head[rows]
+        self.config.draft_vocab_size = kept.numel()
+        self.register_buffer("d2t", d2t.to(device))
+        self.register_buffer("t2d", t2d.to(device))
+
+    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits over the target vocabulary (-inf where a pruned draft cannot propose)."""
+        if not self.config.drafts_pruned_vocab:
+            return draft_logits
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.draft_to_target()] = draft_logits
+        return full
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as target ids (the same ids unless the vocabulary is pruned)."""
+        return self.draft_to_target()[draft_ids] if self.config.drafts_pruned_vocab else draft_ids
 
     def embedding_weight(self) -> torch.Tensor:
         if not self.config.shares_target_input_embedding:
@@ -435,14 +502,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             logits = logits * multiplier
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids as target ids (the same ids unless the vocabulary is pruned)."""
-        return draft_ids
-
-    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits over the target vocabulary (-inf where a pruned draft cannot propose)."""
-        return draft_logits
-
     @torch.no_grad()
     def propose(
         self,
@@ -602,49 +661,15 @@ class DSparkConfidenceHead(nn.Module):
 
 
 class DSparkDraftModel(DFlashDraftModel):
-    """DFlash backbone plus a Markov walk over the block, a pruned draft vocabulary and a confidence head.
-
-    Pruned vocabulary (speculators convention): `d2t[i]` is an offset, target id = `i + d2t[i]`; `t2d[j]` marks the
-    kept target ids. Ids fed back to the Markov head are always target ids.
-    """
+    """DFlash backbone plus a Markov walk over the block and a confidence head; usually a pruned vocabulary.
+    Ids fed back to the Markov head are always target ids."""
 
     config_class = DSparkConfig
+    always_has_vocab_maps = True  # DSpark checkpoints carry `d2t`/`t2d` even unpruned (identity maps)
 
     def _build_heads(self, config: DSparkConfig) -> None:
-        # Identity mapping until a pruned vocabulary is installed (`set_vocab_mapping` or the checkpoint).
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
         self.markov_head = DSparkMarkovHead(config) if config.markov_rank > 0 else None
         self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
-
-    def _head_vocab_size(self) -> int:
-        return self.config.draft_vocab_size
-
-    def draft_to_target(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def _select_head_rows(self, head: torch.Tensor) -> torch.Tensor:
-        if not self.config.drafts_pruned_vocab:
-            return head
-        return head[self.draft_to_target().to(head.device)]
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a pruned-vocabulary mapping after checking it is consistent (offsets <-> kept ids)."""
-        check_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        if self._target_head is not None:
-            raise RuntimeError("Set the vocabulary mapping before `bind_target`, which selects the head rows.")
-
-    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        if not self.config.drafts_pruned_vocab:
-            return draft_logits
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        full[..., self.draft_to_target()] = draft_logits
-        return full
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.draft_to_target()[draft_ids] if self.config.drafts_pruned_vocab else draft_ids
 
 
 def check_finite_weights(tensors: dict[str, torch.Tensor], file_of: Callable[[str], str]) -> None:
@@ -681,6 +706,14 @@ def _weights_file(source: str, name: str) -> str:
     return source
 
 
+def vocab_maps(kept_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the pruned vocabulary keeping the sorted, distinct target ids `kept_ids`."""
+    d2t = kept_ids - torch.arange(kept_ids.numel(), device=kept_ids.device)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=kept_ids.device)
+    t2d[kept_ids] = True
+    return d2t, t2d
+
+
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
     """Raise unless `d2t` (offsets) and `t2d` (kept mask) describe the same pruned vocabulary."""
     if tuple(d2t.shape) != (draft_vocab_size,):
@@ -708,4 +741,5 @@ __all__ = [
     "check_finite_weights",
     "check_vocab_mapping",
     "markov_walk",
+    "vocab_maps",
 ]

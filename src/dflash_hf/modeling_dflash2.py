@@ -234,10 +234,11 @@ class DFlash2DraftModel(DFlashDraftModel):
         hidden = self.block_hidden(context_hidden, anchor_ids, cache, block_size, position_ids, attention_mask)
         first = self.config.block_size - self.config.num_speculative_slots  # DFlash layout: slot 0 is the anchor
         hidden = hidden[:, first : first + max_slots if max_slots else None]
-        logits = self.logits(hidden).float()
-        vocab_size = logits.shape[-1]
+        logits = self.logits(hidden).float()  # over the draft vocabulary (the kept ids when pruned)
+        vocab_size = self.config.vocab_size
         selector = self.candidate_selector
         unary, candidates = selector.candidates(logits)
+        candidates = self.to_target_ids(candidates)  # the codebooks, the walk and q speak target ids
         projected = selector.hidden_projection(hidden)
         walked = selector_walk_kernel(self._kernel_path, self, unary, candidates, projected, anchor_ids,
                                       logits_processor, do_sample, need_logits)
@@ -260,7 +261,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         if not (logits_processor or do_sample or need_logits):
             return lambda k, scores, candidates: (candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0], None)
         seen = [prefix_ids]
-        vocab = logits.shape[-1]
+        vocab = self.config.vocab_size
 
         def choose(k: int, scores: torch.Tensor, candidates: torch.Tensor):
             slot = scatter_candidates(scores, candidates, vocab)
@@ -268,7 +269,7 @@ class DFlash2DraftModel(DFlashDraftModel):
                 slot = logits_processor(seen[0], slot)
                 dead = ~(slot > float("-inf")).any(-1)
                 if bool(dead.any()):
-                    slot = torch.where(dead[:, None], logits_processor(seen[0], logits[:, k].clone()), slot)
+                    slot = torch.where(dead[:, None], logits_processor(seen[0], self.to_target_logits(logits[:, k].clone())), slot)
             token = torch.multinomial(slot.softmax(-1), 1)[:, 0] if do_sample else slot.argmax(-1)
             if seen[0] is not None:
                 seen[0] = torch.cat([seen[0], token[:, None]], dim=1)

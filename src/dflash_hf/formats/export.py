@@ -122,12 +122,14 @@ def speculators_config(model: DFlashDraftModel, verifier=None) -> dict:
 def speculators_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     config = model.config
     state = dict(model.state_dict())
-    if isinstance(config, DSparkConfig):
-        if config.drafts_pruned_vocab and config.shares_target_lm_head:
-            raise ValueError("A pruned-vocabulary draft that borrows the target's lm_head cannot be exported to "
-                             "speculators: vLLM needs the draft's own head rows. Load it with its own lm_head.")
-        if not config.drafts_pruned_vocab:
-            del state["d2t"], state["t2d"]
+    if config.drafts_pruned_vocab and isinstance(config, DFlash2Config):
+        raise ValueError("speculators refuses a DFlash 2 draft with a pruned vocabulary; export it with to='hf'.")
+    if config.drafts_pruned_vocab and config.shares_target_lm_head:
+        raise ValueError("A pruned-vocabulary draft that borrows the target's lm_head cannot be exported to "
+                         "speculators: vLLM needs the draft's own head rows. Load it with its own lm_head.")
+    if not config.drafts_pruned_vocab:  # speculators registers no maps for a full vocabulary
+        state.pop("d2t", None)
+        state.pop("t2d", None)
     return state
 
 
@@ -195,6 +197,8 @@ def zlab_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     if isinstance(model, DSparkDraftModel):
         raise ValueError("The z-lab format holds DFlash and DFlash 2 drafts only; export a DSpark draft with "
                          "to='speculators'.")
+    if model.config.drafts_pruned_vocab:
+        raise ValueError("The z-lab format has no pruned vocabulary (`d2t`/`t2d`); export this draft with to='hf'.")
     if not model.config.shares_target_embeddings:  # borrows both
         raise ValueError("The z-lab format has no embedding or lm_head (the target's are borrowed), but this draft "
                          "has its own; export it with to='speculators'.")

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..configuration_dflash import DSparkConfig
 from ..modeling_dflash import DFlashDraftModel, check_finite_weights, check_vocab_mapping
 from .files import read_config, resolve_checkpoint, tensor_headers, weight_files
 from .read import LoadPlan, plan_load
@@ -112,7 +111,7 @@ def load_draft(path_or_repo_id, **from_pretrained_kwargs) -> DFlashDraftModel:
     state = _read_tensors(plan, names, headers, dtype, device)
     check_finite_weights(state, lambda name: str(headers[names[name]][0]) if name in names
                          else f"{context} (filled in)")
-    if isinstance(plan.config, DSparkConfig):
+    if "d2t" in state:
         try:
             check_vocab_mapping(state["d2t"], state["t2d"], plan.config.draft_vocab_size, plan.config.vocab_size)
         except ValueError as error:

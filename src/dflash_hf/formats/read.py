@@ -401,9 +401,9 @@ def _speculators_plan(raw: dict, dialect: str, context: str, names: set[str], ov
     if kind == "dflash2":
         config = DFlash2Config(**common, **{name: settings[name] for name in DFLASH2_FIELDS})
         return LoadPlan(dialect, config, ignored=ignored, renames=_codebook_renames(names, context))
-    if not (kind == "dspark" or pruned or settings["sample_from_anchor"]):
-        return LoadPlan(dialect, DFlashConfig(**common), ignored=ignored)
-    # A pruned vocabulary or the anchor-sampling layout needs DSpark's machinery, with or without its heads.
+    if not (kind == "dspark" or settings["sample_from_anchor"]):
+        return LoadPlan(dialect, DFlashConfig(**common, draft_vocab_size=draft_vocab_size), ignored=ignored)
+    # The anchor-sampling layout needs DSpark's machinery, with or without its heads.
     heads = {k: settings[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head",
                                       "confidence_head_with_markov")} if kind == "dspark" else {
         "markov_rank": 0, "enable_confidence_head": False, "confidence_head_with_markov": False}

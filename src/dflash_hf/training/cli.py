@@ -29,7 +29,7 @@ from .trainer import (
     train_loop,
     warm_start_draft,
 )
-from .vocab import build_vocab_mapping, coverage
+from .vocab import build_vocab_mapping, coverage, most_frequent_ids
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,14 @@ PRESETS = {
         target=EMBEDDED_TARGET,
         data=DataConfig(num_topic_prompts=400, num_code_prompts=2000, max_new_tokens=128, batch_size=32),
         drafts={
-            "dflash": DraftSpec(kind="dflash", **_SMOLLM2_DRAFT),
+            # DFlash and DFlash 2 train over the whole vocabulary and keep DSpark's 4,096 ids afterwards (same tau,
+            # a third of the draft step on a CPU: README, "Drafts that propose from fewer ids").
+            "dflash": DraftSpec(kind="dflash", draft_vocab_size=4096, **_SMOLLM2_DRAFT),
             "dspark": DraftSpec(kind="dspark", draft_vocab_size=4096, markov_rank=32, markov_head_type="vanilla",
                                 enable_confidence_head=True, **{**_SMOLLM2_DRAFT, "num_layers": 2}),
             # The released drafts' conv and top-K, a rank sized to this target; DSpark's two layers.
-            "dflash2": DraftSpec(kind="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=64,
-                                 selector_top_k=16, **{**_SMOLLM2_DRAFT, "num_layers": 2}),
+            "dflash2": DraftSpec(kind="dflash2", draft_vocab_size=4096, conv_kernel_size=2, conv_group_size=16,
+                                 selector_rank=64, selector_top_k=16, **{**_SMOLLM2_DRAFT, "num_layers": 2}),
         },
         train={
             "dflash": TrainConfig(max_steps=3000, sequences_per_step=2, anchors_per_sequence=16, learning_rate=1e-3,
@@ -139,7 +141,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     else:
         store = cache_features(target, records, layer_ids, work_dir / cache_name)
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
-    pruned = spec.kind == "dspark" and spec.draft_vocab_size and spec.draft_vocab_size < vocab_size
+    pruned = bool(spec.draft_vocab_size and spec.draft_vocab_size < vocab_size)
+    keep_eos = eos_ids(tokenizer, target)
     vocab_coverage, previous = None, None
     if init_from is not None:  # its weights and vocabulary, as trained
         draft = warm_start_draft(target, spec, init_from)
@@ -147,13 +150,13 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         # What it reaches on this data before any step here, for the card beside what it reaches after.
         previous["heldout_here"] = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
         logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
-        if pruned:
+        if pruned and spec.kind == "dspark":
             vocab_coverage = coverage(store.token_counts(vocab_size), draft.t2d.cpu())
     else:
         mapping = None
-        if pruned:
+        if pruned and spec.kind == "dspark":
             counts = store.token_counts(vocab_size)
-            mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=eos_ids(tokenizer, target))
+            mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=keep_eos)
             vocab_coverage = coverage(counts, mapping[1])
         draft = build_draft(target, spec, mapping, seed=train.seed)
         if spec.balance_fc_init:
@@ -162,6 +165,11 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         logger.info("Draft vocabulary: %d ids cover %.4f of the assistant tokens", spec.draft_vocab_size,
                     vocab_coverage)
     last = train_loop(draft, store, train, work_dir / f"run-{kind}")
+    if pruned and spec.kind != "dspark":  # DFlash and DFlash 2 train over the whole vocabulary, then keep the ids used
+        counts = store.token_counts(vocab_size)
+        draft.prune_vocabulary(most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
+        vocab_coverage = coverage(counts, draft.t2d.cpu())
+        logger.info("Pruned to %d ids covering %.4f of the assistant tokens", spec.draft_vocab_size, vocab_coverage)
     heldout = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
     code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
     logger.info("Held-out tau (teacher-forced, greedy): %s", heldout)

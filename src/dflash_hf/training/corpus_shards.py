@@ -375,6 +375,15 @@ def prompt_counts(corpus_obj: Corpus) -> dict:
             "rejected_as_eval_overlap": corpus_obj.stats.get("rejected", 0), "packages": corpus.package_versions()}
 
 
+def answer_token_counts(directory: Path, vocab_size: int) -> torch.Tensor:
+    """How often each target id occurs in the answers of every shard (what a pruned draft vocabulary keeps)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for path in shard_paths(directory):
+        with np.load(path, allow_pickle=False) as data:
+            counts += np.bincount(data["answer_tokens"].astype(np.int64), minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
 def corpus_stats(directory: Path) -> dict:
     """Shards, answers and answer tokens so far, per part."""
     stats: dict[str, dict] = {}

@@ -13,6 +13,7 @@ Which sequences and anchors a step uses is a pure function of (seed, step, rank)
 (model, optimizer, scheduler, RNG, step) continues exactly as the uninterrupted one would.
 """
 
+import copy
 import json
 import logging
 import math
@@ -58,7 +59,8 @@ class DraftSpec:
     intermediate_size: int | None = None
     init_from_target_layer: int | None = None  # copy this target layer (negative: from the end) into each draft layer
     balance_fc_init: bool = True  # scale fc's input columns by the features' spread (see `balance_fc_init`)
-    draft_vocab_size: int | None = None  # DSpark: pruned vocabulary size; None = full
+    # Pruned vocabulary size (None = full): DSpark trains over it, DFlash and DFlash 2 are pruned after training.
+    draft_vocab_size: int | None = None
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
@@ -202,6 +204,19 @@ def build_draft(target, spec: DraftSpec, vocab_mapping=None, seed: int = 0) -> D
     return draft
 
 
+def full_vocabulary_copy(draft: DFlashDraftModel) -> DFlashDraftModel:
+    """A vocabulary-pruned DFlash or DFlash 2 draft proposing from the whole vocabulary again: it has no weights per
+    draft id when it borrows the target's head, so nothing is lost."""
+    if not draft.config.shares_target_lm_head:
+        raise ValueError("This pruned draft has its own lm_head, which holds only the kept rows; train it pruned or "
+                         "from its unpruned checkpoint.")
+    config = copy.deepcopy(draft.config)
+    config.draft_vocab_size = config.vocab_size
+    full = type(draft)(config)
+    full.load_state_dict({k: v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")})
+    return full
+
+
 # Config fields that fix what a draft computes: a warm start must agree with the run's spec on every one.
 _WARM_START_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "target_layer_ids", "block_size", "mask_token_id",
@@ -223,6 +238,8 @@ def warm_start_draft(target, spec: DraftSpec, path: Path) -> DFlashDraftModel:
     if saved_type != wanted.model_type:
         raise ValueError(f"The draft in {path} is a {saved_type!r} draft, but this run trains {spec.kind!r} (--kind).")
     draft = classes[spec.kind].from_pretrained(path, dtype=torch.float32)
+    if spec.kind != "dspark" and draft.config.drafts_pruned_vocab:
+        draft = full_vocabulary_copy(draft)  # pruned after training, so trained further over the whole vocabulary
     for name in _WARM_START_FIELDS:
         have, want = getattr(draft.config, name, None), getattr(wanted, name, None)
         if have != want:
@@ -419,8 +436,12 @@ def selector_scores(draft: DFlash2DraftModel, logits: torch.Tensor, hidden: torc
     the candidates' draft logits, so the selector's loss trains the backbone too."""
     selector = draft.candidate_selector
     if candidates is None:
-        candidates = selector.candidates(logits.detach())[1]
-    unary = logits.float().gather(-1, candidates)
+        top = selector.candidates(logits.detach())[1]
+        unary, candidates = logits.float().gather(-1, top), draft.to_target_ids(top)
+    elif draft.config.drafts_pruned_vocab:
+        raise ValueError("A DFlash 2 draft trains over the whole vocabulary; prune it after training.")
+    else:
+        unary = logits.float().gather(-1, candidates)
     _, scores = selector_walk(unary, candidates, selector.hidden_projection(hidden), selector.predecessor_codebook,
                               selector.successor_codebook, prev)
     return scores, candidates
