@@ -1,6 +1,6 @@
 """A full-vocabulary DFlash or DFlash 2 draft pruned after training (`prune_vocabulary`, `dflash-hf prune-vocab`):
-it proposes what the unpruned draft proposes with the other ids masked out, saves and loads as such, trains on over
-the whole vocabulary, and refuses what it cannot be. Generation with it stays exact: the pruned cases of
+it proposes what the unpruned draft proposes with the other ids masked out, saves and loads as such, is trained further
+over the whole vocabulary, and refuses what it cannot be. Generation with it stays exact: the pruned cases of
 `test_generate.py` and `test_dflash2.py` (greedy and sampling)."""
 
 import copy

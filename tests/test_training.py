@@ -46,7 +46,7 @@ from dflash_hf.training.trainer import (
     training_attention_mask,
     valid_anchor_positions,
 )
-from dflash_hf.training.vocab import build_vocab_mapping, coverage, target_to_draft_ids
+from dflash_hf.training.vocab import build_vocab_mapping, coverage, most_frequent_ids, target_to_draft_ids
 
 PROMPT_LEN = 8
 NEW_TOKENS = 40
@@ -399,6 +399,20 @@ def test_warm_start_continues_a_saved_draft_and_refuses_another_shape(toy, tmp_p
         trainer.warm_start_draft(target, spec, tmp_path / "nowhere")
 
 
+def test_warm_start_of_a_pruned_dflash2_draft_trains_over_the_whole_vocabulary(toy, tmp_path):
+    target, _ = toy
+    spec = toy_spec("dflash2")
+    draft = build_draft(target, spec, seed=0)
+    draft.prune_vocabulary(range(0, VOCAB, 2))
+    draft.save_pretrained(tmp_path / "saved")
+    warm = trainer.warm_start_draft(target, spec, tmp_path / "saved")
+    assert not warm.config.drafts_pruned_vocab
+    kept = {name: value for name, value in draft.state_dict().items() if name not in ("d2t", "t2d")}
+    assert sorted(warm.state_dict()) == sorted(kept)
+    for name, value in kept.items():
+        assert torch.equal(warm.state_dict()[name], value), name
+
+
 def test_fit_steps_fills_the_budget_within_bounds():
     # 10 s spent, 0.5 s per step: a 1-minute budget leaves 100 more.
     assert fit_steps(25, 10.0, 0.5, 1.0, 10_000) == 125
@@ -445,8 +459,17 @@ def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
         assert metrics[-1]["candidate_recall"] > metrics[0]["candidate_recall"]
         assert draft.layers[0].mlp_conv.kernel_projection.weight.abs().max() > 0  # the convolutions learned too
 
-    # The held-out decode walk is what speculative decoding with this draft really gets on those prompts.
-    for index, walk in zip(heldout[:3], after["walks"]):
+    assert_walks_are_generation(target, draft, records, heldout, after["walks"])
+    if kind != "dspark":  # as `dflash-hf train --draft-vocab-size` does: pruned after training, walked the same way
+        draft.prune_vocabulary(most_frequent_ids(store.token_counts(VOCAB), 64, [EOS]))
+        pruned = heldout_tau(draft, store, heldout, return_walks=True)
+        assert pruned["tau_decode"] > 1.2, pruned
+        assert_walks_are_generation(target, draft, records, heldout, pruned["walks"])
+
+
+def assert_walks_are_generation(target, draft, records, heldout, walks):
+    """The held-out decode walk is what speculative decoding with this draft really gets on those prompts."""
+    for index, walk in zip(heldout[:3], walks):
         prompt = torch.tensor(records[index]["input_ids"][:PROMPT_LEN])[None]
         draft.eval()
         spec_out = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
