@@ -15,7 +15,7 @@ from dflash_hf.formats import export_draft, load_draft
 from dflash_hf.modeling_dflash2 import scatter_candidates, selector_walk
 from dflash_hf.training.corpus_shards import write_shard
 from dflash_hf.training.trainer import full_vocabulary_copy
-from tiny import draft_fields, random_dflash, random_dflash2, tiny_target
+from tiny import draft_fields, random_dflash, random_dflash2, random_dspark, tiny_target
 from tiny_pair import char_tokenizer, save_tiny_pair
 
 VOCAB = 40
@@ -99,6 +99,25 @@ def test_save_and_load_keep_the_pruned_vocabulary(kind, tmp_path):
         got = propose(loaded, context, anchors, need_logits=True)
         assert torch.equal(got.draft_ids, want.draft_ids)
         torch.testing.assert_close(got.draft_logits, want.draft_logits)
+
+
+def test_a_dspark_draft_pruned_around_its_own_picks_proposes_the_same_walk():
+    """The Markov head's output rows are pruned with the head's: where every pick of the full walk is kept, the
+    pruned walk makes the same picks with the same logits on the kept ids and the same confidence."""
+    target = tiny_target("llama", vocab_size=VOCAB)
+    full = random_dspark(target, block_size=6, markov_rank=4, seed=2)
+    full.bind_target(target)
+    context, anchors = block_inputs(full, seed=5)
+    want = propose(full, context, anchors, need_logits=True)
+    kept = sorted(set(want.draft_ids.flatten().tolist()) | set(range(0, VOCAB, 4)))
+    pruned = copy.deepcopy(full)
+    pruned.prune_vocabulary(kept)
+    assert pruned.markov_head.markov_w2.weight.shape[0] == len(kept)
+    got = propose(pruned, context, anchors, need_logits=True)
+    assert torch.equal(got.draft_ids, want.draft_ids)
+    torch.testing.assert_close(got.draft_logits[..., kept], want.draft_logits[..., kept], rtol=1e-5, atol=1e-5)
+    assert torch.isinf(got.draft_logits[..., [i for i in range(VOCAB) if i not in kept]]).all()
+    torch.testing.assert_close(got.confidence, want.confidence)
 
 
 def test_a_checkpoint_whose_maps_disagree_is_refused_naming_the_file(tmp_path):
