@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModel
 
 from dflash_hf import DFlashConfig, DFlashContextCache, cli
 from dflash_hf.formats import export_draft, load_draft
@@ -209,6 +210,8 @@ def test_prune_vocab_command_keeps_eos_and_the_most_frequent_answer_ids(tmp_path
     pruned = load_draft(tmp_path / "pruned")
     assert pruned.config.draft_vocab_size == 8
     assert pruned.t2d.nonzero()[:, 0].tolist() == sorted([2] + kept_letters)
+    auto = AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True)  # as a Hub user loads it
+    assert type(auto).__name__ == "DFlash2DraftModel" and torch.equal(auto.t2d, pruned.t2d)
     again = ["prune-vocab", str(tmp_path / "pruned"), "--out", str(tmp_path / "again"), *args[4:]]
     with pytest.raises(ValueError, match="already proposes"):
         cli.main(again)
