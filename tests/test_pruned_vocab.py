@@ -169,6 +169,14 @@ def test_bad_kept_ids_are_refused_and_leave_the_draft_whole(kept, message):
     assert not draft.config.drafts_pruned_vocab and "d2t" not in draft.state_dict()
 
 
+def test_fewer_kept_ids_than_dflash2_candidates_is_refused_naming_the_field():
+    target = tiny_target("llama", vocab_size=VOCAB)
+    draft = random_dflash2(target, block_size=4, selector_top_k=5)
+    with pytest.raises(ValueError, match=r"`selector_top_k` = 5, expected an integer in \[1, draft_vocab_size=4\]"):
+        draft.prune_vocabulary([1, 2, 3, 4])
+    assert not draft.config.drafts_pruned_vocab and "d2t" not in draft.state_dict()
+
+
 def test_pruning_twice_is_refused():
     _, _, pruned = pair("dflash")
     with pytest.raises(ValueError, match="already proposes from 26 ids"):

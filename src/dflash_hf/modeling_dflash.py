@@ -10,6 +10,7 @@ Two facts live here once, for generation, training and the kernel references ali
 `layer_attention_mask`, lives with the layers.
 """
 
+import copy
 import json
 import logging
 from collections.abc import Callable
@@ -286,6 +287,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         vocab_size = self.config.vocab_size
         if kept.numel() == 0 or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
             raise ValueError(f"`kept_ids` must be a non-empty set of target ids in [0, vocab_size={vocab_size}).")
+        trial = copy.copy(self.config)  # the config it will have, checked before anything changes
+        trial.draft_vocab_size = kept.numel()
+        trial.validate_draft()
         d2t, t2d = vocab_maps(kept, vocab_size)
         device = self.fc.weight.device
         rows = kept.to(device)
