@@ -70,7 +70,8 @@ class DFlash2Config(DFlashConfig):
             raise _invalid("conv_group_size", self.conv_group_size, f"a divisor of hidden_size ({self.hidden_size})")
         top_k = self.selector_top_k
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 < top_k <= self.draft_vocab_size:
-            raise _invalid("selector_top_k", top_k, f"an integer in [1, draft_vocab_size={self.draft_vocab_size}]")
+            bound = "draft_vocab_size" if self.drafts_pruned_vocab else "vocab_size"  # the candidates come from it
+            raise _invalid("selector_top_k", top_k, f"an integer in [1, {bound}={self.draft_vocab_size}]")
         for field, lowest, expected in (
             ("input_embedding_scale", None, "a number or None"),
             ("output_multiplier", None, "a number or None"),
