@@ -294,12 +294,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         device = self.fc.weight.device
         rows = kept.to(device)
         # Every row indexed by a draft id: the own head, DSpark's Markov output, the borrowed head once bound.
-        if not self.config.shares_target_lm_head:
-            self.lm_head.weight = nn.Parameter(self.lm_head.weight[rows].clone())
-            self.lm_head.out_features = kept.numel()
-        if self.markov_head is not None:
-            w2 = self.markov_head.markov_w2
-            w2.weight, w2.out_features = nn.Parameter(w2.weight[rows].clone()), kept.numel()
+        own_head = None if self.config.shares_target_lm_head else self.lm_head
+        markov_out = None if self.markov_head is None else self.markov_head.markov_w2
+        for linear in filter(None, (own_head, markov_out)):
+            linear.weight = nn.Parameter(linear.weight[rows].clone())
+            linear.out_features = kept.numel()
         if self._target_head is not None:
             self._target_head = self._target_head[rows]
         self.config.draft_vocab_size = kept.numel()

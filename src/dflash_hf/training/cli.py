@@ -142,6 +142,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         store = cache_features(target, records, layer_ids, work_dir / cache_name)
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
     pruned = bool(spec.draft_vocab_size and spec.draft_vocab_size < vocab_size)
+    pruned_in_training = pruned and spec.kind == "dspark"  # DFlash and DFlash 2 are pruned after training
     keep_eos = eos_ids(tokenizer, target)
     vocab_coverage, previous = None, None
     if init_from is not None:  # its weights and vocabulary, as trained
@@ -150,11 +151,11 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         # What it reaches on this data before any step here, for the card beside what it reaches after.
         previous["heldout_here"] = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
         logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
-        if pruned and spec.kind == "dspark":
+        if pruned_in_training:
             vocab_coverage = coverage(store.token_counts(vocab_size), draft.t2d.cpu())
     else:
         mapping = None
-        if pruned and spec.kind == "dspark":
+        if pruned_in_training:
             counts = store.token_counts(vocab_size)
             mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=keep_eos)
             vocab_coverage = coverage(counts, mapping[1])
@@ -165,7 +166,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         logger.info("Draft vocabulary: %d ids cover %.4f of the assistant tokens", spec.draft_vocab_size,
                     vocab_coverage)
     last = train_loop(draft, store, train, work_dir / f"run-{kind}")
-    if pruned and spec.kind != "dspark":  # DFlash and DFlash 2 train over the whole vocabulary, then keep the ids used
+    if pruned and not pruned_in_training:  # trained over the whole vocabulary, now keeping the ids used most
         counts = store.token_counts(vocab_size)
         draft.prune_vocabulary(most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
         vocab_coverage = coverage(counts, draft.t2d.cpu())
