@@ -68,6 +68,7 @@ class CostTable:
     def __init__(self, decode: Callable[[], float | None] | None = None, unit_size: int | None = None):
         self.decode, self.unit_size = decode, unit_size
         self.samples: dict[int, list[float]] = {}  # size -> recent measurements, in units of `_scale`
+        self.medians: dict[int, float] = {}  # size -> the median of its samples (read every step, so kept)
 
     def _scale(self, size: int) -> float | None:
         """Seconds per stored unit for `size` now (None: no decode measured yet to express it in)."""
@@ -83,11 +84,12 @@ class CostTable:
         samples = self.samples[size]
         samples.append(seconds / scale)
         del samples[:-COST_SAMPLES]
+        self.medians[size] = statistics.median(samples)
 
     def estimate(self, size: int) -> float | None:
-        samples = self.samples.get(size)
-        scale = self._scale(size) if samples else None
-        return statistics.median(samples) * scale if scale else None
+        median = self.medians.get(size)
+        scale = None if median is None else self._scale(size)
+        return median * scale if scale else None
 
 
 class AcceptanceRates:
