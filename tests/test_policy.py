@@ -67,24 +67,6 @@ def test_cost_table_drops_the_warm_up_keeps_the_median_and_infers_nothing():
     assert table.estimate(5) is None  # between measured sizes: unknown too (costs are not monotonic), to be measured
 
 
-def test_estimates_measured_under_load_follow_the_decode_when_it_goes():
-    """Every size measured while another process held the cores (all 3x slower), then the load goes: the decode steps
-    show it within a few steps, and the other estimates, kept in decode steps, fall with them, so a policy that was
-    right to decode plainly then speculates again instead of trusting the stale seconds for good."""
-    policy = LengthPolicy(costs({1: 300, 2: 330, 8: 390}, {1: 30, 7: 30}), max_slots=7)
-    for accepted in [0, 1, 2, 3, 7] * 4:
-        policy.costs.rates("draft").observe(7, accepted)
-    for _ in range(5):
-        policy.record(None, 0, 0, False, 100 * MS)  # plain decode steps, the machine to itself again
-    assert policy.costs.verify_estimate(1, 1) == pytest.approx(100 * MS)
-    assert policy.costs.verify_estimate(1, 8) == pytest.approx(130 * MS)
-    assert policy.costs.draft_table("draft").estimate(7) == pytest.approx(10 * MS)
-    assert policy.plan_draft("draft")[0] > 0
-    for _ in range(5):
-        policy.record(None, 0, 0, False, 600 * MS)  # and a heavier load than the first
-    assert policy.costs.verify_estimate(1, 8) == pytest.approx(780 * MS)
-
-
 def test_acceptance_rates_learn_per_position_and_decay():
     rates = AcceptanceRates(prior=0.5)
     assert rates.rates(3) == [0.5, 0.5, 0.5]

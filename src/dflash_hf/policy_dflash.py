@@ -4,9 +4,7 @@ A Hub remote-code file (standard library only). Speculation pays only when `E[to
 `1 / cost(decode)`. On a GPU a verify of k+1 rows costs about one decode; on a CPU it grows with k, and not even
 monotonically (float32 on an AMD EPYC with `F.linear`: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109;
 with `verify_matmul`'s weight-first products 2 rows cost 50, less than the decode). So the policy measures every row
-count (its first run, a warm-up, dropped) and keeps what it measured, per row count, in decode steps (the decode, re-
-measured on every plain step, follows a change of load on the machine, and every other estimate moves with it) for
-each target/device/dtype,
+count (its first run, a warm-up, dropped) and keeps what it measured, per row count, for each target/device/dtype,
 and per-position acceptance rates for each proposal source (a draft, prompt lookup); each step it proposes the k
 (0..block) with the best expected rate, k = 0 being a plain decode step. Where speculation looks hopeless it still
 probes now and then (less often each time it fails), because acceptance moves with the text.
@@ -27,7 +25,6 @@ import math
 import statistics
 import threading
 import weakref
-from collections.abc import Callable
 
 # Measurements kept per size; the estimate is their median (costs drift slowly, noise is large).
 COST_SAMPLES = 8
@@ -58,38 +55,23 @@ class CostTable:
     would be a lucky step's, and sizes differ in how much their cost varies). A size's first measurement pays for
     its warm-up (allocation, kernel choice) and is dropped; until a second one, and for a size never measured, there
     is no estimate (costs are not monotonic in the size, so none is inferred from its neighbours): the policy
-    measures it.
+    measures it."""
 
-    With `decode` (the seconds of a decode step now), sizes are kept in decode steps, `unit_size` (a verify table's 1
-    row, the decode itself) in seconds. Decode steps are measured all the time and the other sizes only when chosen,
-    so seconds would leave a size measured while another process held the cores looking dear long after the load
-    went (a policy would then decode plainly for good); a multiple of the decode follows the load with the decode."""
-
-    def __init__(self, decode: Callable[[], float | None] | None = None, unit_size: int | None = None):
-        self.decode, self.unit_size = decode, unit_size
-        self.samples: dict[int, list[float]] = {}  # size -> recent measurements, in units of `_scale`
-        self.medians: dict[int, float] = {}  # size -> the median of its samples (read every step, so kept)
-
-    def _scale(self, size: int) -> float | None:
-        """Seconds per stored unit for `size` now (None: no decode measured yet to express it in)."""
-        return 1.0 if self.decode is None or size == self.unit_size else self.decode()
+    def __init__(self):
+        self.samples: dict[int, list[float]] = {}
+        self.seconds: dict[int, float] = {}  # size -> the estimate
 
     def observe(self, size: int, seconds: float) -> None:
         if size not in self.samples:
             self.samples[size] = []  # the warm-up measurement
             return
-        scale = self._scale(size)
-        if not scale:  # dropped like a warm-up
-            return
         samples = self.samples[size]
-        samples.append(seconds / scale)
+        samples.append(seconds)
         del samples[:-COST_SAMPLES]
-        self.medians[size] = statistics.median(samples)
+        self.seconds[size] = statistics.median(samples)
 
     def estimate(self, size: int) -> float | None:
-        median = self.medians.get(size)
-        scale = None if median is None else self._scale(size)
-        return median * scale if scale else None
+        return self.seconds.get(size)
 
 
 class AcceptanceRates:
@@ -191,7 +173,7 @@ class MeasuredCosts:
     """What one target (on one device, in one dtype) and its drafts cost here; shared by the calls of a process."""
 
     def __init__(self):
-        self.verify = self._new_verify_table(1)  # one sequence, by rows: 1 = a plain decode step
+        self.verify = CostTable()  # one sequence, by rows: 1 = a plain decode step
         self.batched_verify: dict[int, CostTable] = {}  # a batch of B sequences: B -> by rows per sequence
         self.draft: dict[str, CostTable] = {}  # by source (and batch size above one), by slots drafted
         self.acceptance: dict[str, AcceptanceRates] = {}
@@ -201,15 +183,8 @@ class MeasuredCosts:
         self.probe_interval = PROBE_INTERVAL
         self.lock = threading.Lock()
 
-    def _new_verify_table(self, batch: int) -> CostTable:
-        return CostTable(decode=lambda: self.verify_estimate(batch, 1), unit_size=1)
-
     def verify_table(self, batch: int = 1) -> CostTable:
-        if batch == 1:
-            return self.verify
-        if batch not in self.batched_verify:
-            self.batched_verify[batch] = self._new_verify_table(batch)
-        return self.batched_verify[batch]
+        return self.verify if batch == 1 else self.batched_verify.setdefault(batch, CostTable())
 
     def verify_estimate(self, batch: int, rows: int) -> float | None:
         """Seconds to verify `rows` per sequence for `batch` sequences. A batch size not measured yet (a batched call
@@ -226,11 +201,7 @@ class MeasuredCosts:
         return None
 
     def draft_table(self, source: str, batch: int = 1) -> CostTable:
-        """Drafting costs, in decode steps of the same batch size."""
-        name = source if batch == 1 else f"{source} x{batch}"
-        if name not in self.draft:
-            self.draft[name] = CostTable(decode=lambda: self.verify_estimate(batch, 1))
-        return self.draft[name]
+        return self.draft.setdefault(source if batch == 1 else f"{source} x{batch}", CostTable())
 
     def rates(self, source: str) -> AcceptanceRates:
         return self.acceptance.setdefault(source, AcceptanceRates())
