@@ -13,6 +13,7 @@ from tiny_pair import VOCAB_SIZE, char_tokenizer
 from dflash_hf.cli import main
 from dflash_hf.training import corpus
 from dflash_hf.training import corpus_shards as shards
+from dflash_hf.training.features import RecordFeatures
 from dflash_hf.training.trainer import DraftSpec, TrainConfig
 from dflash_hf.training.vocab import most_frequent_ids
 
@@ -358,11 +359,8 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     assert json.loads((tmp_path / "draft" / "training_summary.json").read_text())["kind"] == kind
     assert not (tmp_path / "work" / "data").exists()  # nothing generated besides the corpus
 
-    counts = torch.zeros(VOCAB_SIZE, dtype=torch.long)  # answer ids of the training split
-    for record in shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2):
-        if not record["heldout"]:
-            answer = torch.tensor(record["input_ids"])[torch.tensor(record["loss_mask"], dtype=torch.bool)]
-            counts += torch.bincount(answer, minlength=VOCAB_SIZE)
+    records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)
+    counts = RecordFeatures(records, [1, 2]).token_counts(VOCAB_SIZE)  # the training split's answer ids
     kept = most_frequent_ids(counts, 32, always_keep={tokenizer.eos_token_id})
     draft = AutoModel.from_pretrained(tmp_path / "draft")
     assert draft.config.draft_vocab_size == 32
