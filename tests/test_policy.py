@@ -67,6 +67,35 @@ def test_cost_table_drops_the_warm_up_keeps_the_median_and_infers_nothing():
     assert table.estimate(5) is None  # between measured sizes: unknown too (costs are not monotonic), to be measured
 
 
+def test_costs_measured_under_load_are_measured_again_once_it_goes():
+    """Another process held the cores while the sizes were measured (a decode 200 ms, a 2-row verify 360): a draft
+    accepted half the time then loses to plain decoding. Once the load goes, the decode's median follows on the plain
+    steps and every size measured when a decode cost over COST_STALE_RATIO times more is unknown again, so the policy
+    measures it instead of decoding plainly for good."""
+    policy = LengthPolicy(costs({1: 200, 2: 360, 8: 420}, {1: 40, 7: 40}), max_slots=7)
+    for _ in range(20):
+        policy.costs.rates("draft").observe(7, 1)
+    assert policy.plan_draft("draft") == (0, False)
+    policy.record(None, 0, 0, False, 0.1)  # decodes at 100 ms now: the median (200, 100) is 150, not stale yet
+    assert policy.plan_draft("draft") == (0, False)
+    policy.record(None, 0, 0, False, 0.1)
+    assert policy.costs.verify.estimate(1) == pytest.approx(0.1)
+    assert policy.plan_draft("draft") == (1, False)  # the 2-row verify and the draft step are measured again
+    assert policy.costs.verify.estimate(1) == pytest.approx(0.1)  # the decode's own estimate stands
+
+
+def test_a_dearer_or_slightly_cheaper_decode_keeps_the_estimates():
+    """Load arriving makes every size dearer, and the sizes in use are measured again by being used; a decode a few
+    percent cheaper is noise. Neither drops what was measured."""
+    for decode_ms in (300, 80):
+        measured = costs({1: 100, 2: 180, 8: 210}, {7: 20})
+        for _ in range(8):
+            measured.verify.observe(1, decode_ms * MS)
+        assert measured.verify.estimate(1) == pytest.approx(decode_ms * MS)
+        assert measured.verify.estimate(2) == pytest.approx(180 * MS)
+        assert measured.draft_table("draft").estimate(7) == pytest.approx(20 * MS)
+
+
 def test_acceptance_rates_learn_per_position_and_decay():
     rates = AcceptanceRates(prior=0.5)
     assert rates.rates(3) == [0.5, 0.5, 0.5]
@@ -277,6 +306,36 @@ def test_generate_drafts_full_blocks_when_rows_are_cheap_and_drafts_right():
     assert [step["k"] for step in steps[: len(sweep)]] == sweep
     later = steps[len(sweep) :]
     assert later and sum(step["k"] == slots for step in later) >= len(later) - 1  # then full blocks, all accepted
+
+
+def test_generate_recovers_from_a_loaded_start():
+    """Verify rows dear while the policy measures them (every forward 30 ms more, and 60 ms per extra row: speculation
+    loses even with a draft always right), then the load goes (10 ms a forward, rows free): the policy, which had
+    settled on plain decoding, measures the sizes again and drafts blocks, all in one generate call."""
+    target = make_successor_target(tiny_target("llama", vocab_size=16))
+    draft = oracle_dspark(target, block_size=6)
+    ids = torch.tensor([[4, 5]])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=100, eos_token_id=None)
+    forwards = []
+
+    def load(module, args, kwargs):
+        rows = kwargs["input_ids"].shape[1]
+        forwards.append(rows)
+        loaded = len(forwards) <= 20
+        time.sleep(0.03 + 0.06 * (rows - 1) if loaded else 0.01)
+
+    handle = target.register_forward_pre_hook(load, with_kwargs=True)
+    try:
+        out = target.generate(ids, do_sample=False, max_new_tokens=100, eos_token_id=None, assistant_model=draft)
+    finally:
+        handle.remove()
+    assert torch.equal(out, expected)
+    ks = [step["k"] for step in draft.generation_stats["policy"]]
+    slots = draft.config.num_speculative_slots
+    assert ks[12:19].count(0) == 7  # settled on plain decoding under the load (after the sweep of every size)
+    after = ks[19:-1]  # once the load went (the last step is cut to the length budget)
+    assert set(range(1, slots + 1)) <= set(after)  # every size measured again
+    assert min(after[-4:]) >= slots - 1  # and blocks drafted (one noisy measurement may favour one slot less)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -4,7 +4,8 @@ A Hub remote-code file (standard library only). Speculation pays only when `E[to
 `1 / cost(decode)`. On a GPU a verify of k+1 rows costs about one decode; on a CPU it grows with k, and not even
 monotonically (float32 on an AMD EPYC with `F.linear`: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109;
 with `verify_matmul`'s weight-first products 2 rows cost 50, less than the decode). So the policy measures every row
-count (its first run, a warm-up, dropped) and keeps what it measured, per row count, for each target/device/dtype,
+count (its first run, a warm-up, dropped) and keeps what it measured, per row count, for each target/device/dtype
+(forgetting what it measured while a decode step cost much more than it does now: another process held the cores),
 and per-position acceptance rates for each proposal source (a draft, prompt lookup); each step it proposes the k
 (0..block) with the best expected rate, k = 0 being a plain decode step. Where speculation looks hopeless it still
 probes now and then (less often each time it fails), because acceptance moves with the text.
@@ -28,6 +29,11 @@ import weakref
 
 # Measurements kept per size; the estimate is their median (costs drift slowly, noise is large).
 COST_SAMPLES = 8
+# A size's estimate made while a decode step cost this much more than it does now is forgotten, and the size measured
+# again: the machine got faster (another process let go of the cores). Sizes that look dear go unchosen, so nothing
+# else would correct them, and a policy started under load would decode plainly for good. The decode itself is
+# measured on every plain step, and its median moves this far only with the load (a longer context makes it dearer).
+COST_STALE_RATIO = 1.4
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
 ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
@@ -55,11 +61,17 @@ class CostTable:
     would be a lucky step's, and sizes differ in how much their cost varies). A size's first measurement pays for
     its warm-up (allocation, kernel choice) and is dropped; until a second one, and for a size never measured, there
     is no estimate (costs are not monotonic in the size, so none is inferred from its neighbours): the policy
-    measures it."""
+    measures it.
 
-    def __init__(self):
+    The decode step (one row, in the verify table `decode`: this one unless given) dates each estimate: one made when
+    a decode cost more than `COST_STALE_RATIO` times what it costs now is dropped (the size, warm already, is
+    measured afresh)."""
+
+    def __init__(self, decode: "CostTable | None" = None):
+        self.decode = decode if decode is not None else self
         self.samples: dict[int, list[float]] = {}
         self.seconds: dict[int, float] = {}  # size -> the estimate
+        self.decode_then: dict[int, float | None] = {}  # size -> the decode's estimate when the size's was made
 
     def observe(self, size: int, seconds: float) -> None:
         if size not in self.samples:
@@ -69,9 +81,18 @@ class CostTable:
         samples.append(seconds)
         del samples[:-COST_SAMPLES]
         self.seconds[size] = statistics.median(samples)
+        self.decode_then[size] = self.decode.seconds.get(1)
 
     def estimate(self, size: int) -> float | None:
-        return self.seconds.get(size)
+        seconds = self.seconds.get(size)
+        then = self.decode_then.get(size)
+        if seconds is not None and then is not None:
+            now = self.decode.seconds.get(1)
+            if now is not None and then > COST_STALE_RATIO * now:
+                del self.seconds[size]
+                self.samples[size].clear()
+                return None
+        return seconds
 
 
 class AcceptanceRates:
@@ -184,7 +205,11 @@ class MeasuredCosts:
         self.lock = threading.Lock()
 
     def verify_table(self, batch: int = 1) -> CostTable:
-        return self.verify if batch == 1 else self.batched_verify.setdefault(batch, CostTable())
+        if batch == 1:
+            return self.verify
+        if batch not in self.batched_verify:
+            self.batched_verify[batch] = CostTable()
+        return self.batched_verify[batch]
 
     def verify_estimate(self, batch: int, rows: int) -> float | None:
         """Seconds to verify `rows` per sequence for `batch` sequences. A batch size not measured yet (a batched call
@@ -201,7 +226,10 @@ class MeasuredCosts:
         return None
 
     def draft_table(self, source: str, batch: int = 1) -> CostTable:
-        return self.draft.setdefault(source if batch == 1 else f"{source} x{batch}", CostTable())
+        name = source if batch == 1 else f"{source} x{batch}"
+        if name not in self.draft:
+            self.draft[name] = CostTable(decode=self.verify_table(batch))
+        return self.draft[name]
 
     def rates(self, source: str) -> AcceptanceRates:
         return self.acceptance.setdefault(source, AcceptanceRates())
