@@ -205,11 +205,7 @@ class MeasuredCosts:
         self.lock = threading.Lock()
 
     def verify_table(self, batch: int = 1) -> CostTable:
-        if batch == 1:
-            return self.verify
-        if batch not in self.batched_verify:
-            self.batched_verify[batch] = CostTable()
-        return self.batched_verify[batch]
+        return self.verify if batch == 1 else self.batched_verify.setdefault(batch, CostTable())
 
     def verify_estimate(self, batch: int, rows: int) -> float | None:
         """Seconds to verify `rows` per sequence for `batch` sequences. A batch size not measured yet (a batched call
