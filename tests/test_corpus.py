@@ -254,6 +254,18 @@ def test_greedy_rows_in_a_sampled_batch_answer_exactly_greedily(tiny_pair):
     assert any(r["answer_ids"] != greedy[i]["answer_ids"] for i, r in mixed.items())  # hot sampling does differ
 
 
+def test_answer_order_keeps_greedy_and_sampled_rows_apart_each_by_prompt_length():
+    items = [item(f"topic:t{n}:0", f"Q{n}") for n in range(40)]
+    prompts = {i["id"]: [0] * (1 + (7 * n) % 11) for n, i in enumerate(items)}
+    ordered = shards.answer_order(items, prompts, sample_every=4)
+    sampled = [shards.is_sampled(i["id"], 4) for i in ordered]
+    assert 0 < sum(sampled) < len(items) and sorted(sampled) == sampled  # one seam: greedy rows, then sampled ones
+    for flag in (False, True):
+        lengths = [len(prompts[i["id"]]) for i, s in zip(ordered, sampled) if s == flag]
+        assert lengths == sorted(lengths)
+    assert sorted(i["id"] for i in ordered) == sorted(i["id"] for i in items)
+
+
 def test_schedule_covers_every_shard_once_with_derived_after_parents():
     order = shards.shard_schedule()
     assert len(order) == len(set(order)) == 2 * sum(shards.SHARDS.values())
