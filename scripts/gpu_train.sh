@@ -6,6 +6,8 @@
 #   scripts/gpu_train.sh OUT_DIR [dspark|dflash|dflash2 ...]        (default: dspark)
 # Writes OUT_DIR/smollm2-135m-<kind> (draft, card, summary) and OUT_DIR/work (data, features, checkpoints, metrics;
 # shared by the kinds). MINUTES=N holds each training loop to N minutes instead of the fixed step count.
+# CORPUS=DIR trains on that `dflash-hf corpus` folder (e.g. data/smollm2-135m) instead of generating data, continuing
+# each kind's shipped draft (src/dflash_hf/drafts/smollm2-135m-<kind>) at a lower learning rate.
 # SIZE=tiny shrinks everything, for a dry run of this script on a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,9 @@ for kind in "${KINDS[@]}"; do
     dflash) anchors=32 ;;
     *) echo "gpu_train: unknown kind '$kind' (dspark, dflash or dflash2)" >&2; exit 2 ;;
   esac
+  source=("${data[@]}")
+  [ -z "${CORPUS:-}" ] || source=(--corpus "$CORPUS" --init-from "src/dflash_hf/drafts/smollm2-135m-$kind"
+                                  --learning-rate 5e-4)
   "$PYTHON" -m dflash_hf.cli train --preset smollm2-135m --kind "$kind" --dtype bfloat16 \
-    --out "$OUT/smollm2-135m-$kind" --work-dir "$OUT/work" "${data[@]}" "${steps[@]}" --anchors-per-sequence "$anchors"
+    --out "$OUT/smollm2-135m-$kind" --work-dir "$OUT/work" "${source[@]}" "${steps[@]}" --anchors-per-sequence "$anchors"
 done
