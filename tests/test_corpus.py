@@ -350,7 +350,7 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     reloads pruned and generates exactly the target's tokens."""
     from transformers import AutoModel
 
-    from dflash_hf.training.cli import train_draft
+    from dflash_hf.training.cli import model_card, train_draft
     from dflash_hf.training.data import DataConfig
 
     target, tokenizer = tiny_pair
@@ -368,8 +368,14 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     assert summary["train_sequences"] + summary["heldout_sequences"] == 24
     assert summary["corpus"] == str(tmp_path / "corpus") and summary["steps_run"] == 3
     assert "self-distilled corpus" in (tmp_path / "draft" / "README.md").read_text()
-    assert json.loads((tmp_path / "draft" / "training_summary.json").read_text())["kind"] == kind
+    saved = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
+    assert saved["kind"] == kind and saved["corpus_shards"]["used"] == saved["corpus_shards"]["total"] >= 1
+    assert "shards: those whose" not in model_card(saved)  # every shard used: nothing to say
+    assert "Trained on 1 of the corpus's 3 shards" in model_card({**saved, "corpus_shards": {"used": 1, "total": 3}})
     assert not (tmp_path / "work" / "data").exists()  # nothing generated besides the corpus
+    with pytest.raises(ValueError, match="feature_minutes"):  # a budget for corpus features, without a corpus
+        train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(), spec=spec, train=train,
+                    work_dir=tmp_path / "work", target=target, tokenizer=tokenizer, feature_minutes=1.0)
 
     records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)
     counts = RecordFeatures(records, [1, 2]).token_counts(VOCAB_SIZE)  # the training split's answer ids

@@ -1,8 +1,11 @@
 """Training: the block attention mask, the losses, anchor sampling, resume after a kill, and a tiny end-to-end run."""
 
+import fcntl
 import importlib.util
 import json
 import math
+import threading
+import zlib
 from dataclasses import replace
 
 import pytest
@@ -15,9 +18,14 @@ from dflash_hf.modeling_dflash import check_vocab_mapping
 from dflash_hf.training import trainer
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
 from dflash_hf.training.features import (
+    LOCK_FILE,
+    META_FILE,
     OnlineFeatures,
     ShardedFeatures,
+    by_shard,
     cache_features,
+    cache_features_by_shard,
+    shard_folders,
     target_features,
     write_feature_shard,
 )
@@ -295,6 +303,44 @@ def test_sharded_features_equal_the_cached_ones(toy, tmp_path):
             assert torch.equal(a[name], b[name]), name
             assert torch.equal(a[name], c[name].half().float() if name in ("context", "final") else c[name]), name
     assert torch.equal(cached.token_counts(VOCAB), online.token_counts(VOCAB))
+
+
+def test_features_cached_by_shard_compute_each_shard_once_and_wait_for_a_locked_one(toy, tmp_path):
+    """The corpus cache: a grown corpus computes only its new shards, a shard another run holds is waited for (not
+    computed twice), and with a time budget only the cached shards are read."""
+    target, records = toy
+    shards = [[{**r, "shard": f"part-{n:04d}"} for r in records[8 * n : 8 * n + 8]] for n in range(3)]
+    forwards = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(1), with_kwargs=True)
+    try:
+        first = cache_features_by_shard(target, shards[0] + shards[1], LAYERS, tmp_path)
+        assert len(forwards) == 16
+        grown = shards[0] + shards[1] + shards[2]
+        budget = cache_features_by_shard(target, grown, LAYERS, tmp_path, max_minutes=0)
+        assert len(forwards) == 16 and len(budget) == 16  # no time: the two cached shards only
+        new_folder = shard_folders(by_shard(grown), tmp_path)["part-0002"]
+        new_folder.mkdir()
+        holder = open(new_folder / LOCK_FILE, "w")
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another run computing that shard...
+        untouched_while_held = []
+
+        def release():  # ...that dies without finishing
+            untouched_while_held.append(not (new_folder / META_FILE).exists())
+            holder.close()
+
+        threading.Timer(0.5, release).start()
+        full = cache_features_by_shard(target, grown, LAYERS, tmp_path, poll_seconds=0.05)
+        assert untouched_while_held == [True] and len(forwards) == 24  # the new shard only, once its lock was free
+    finally:
+        hook.remove()
+    in_order = sorted(shards, key=lambda shard: zlib.crc32(shard[0]["shard"].encode()))  # the chain's fixed order
+    single = cache_features(target, [r for shard in in_order for r in shard], LAYERS, tmp_path / "single")
+    assert len(full) == len(single) == 24 and len(first) == 16
+    assert full.split(heldout=True) == single.split(heldout=True)
+    for i in range(24):
+        a, b = full.sequence(i), single.sequence(i)
+        assert all(torch.equal(a[name], b[name]) for name in a)
+    assert torch.equal(full.token_counts(VOCAB), single.token_counts(VOCAB))
 
 
 def test_balanced_fc_init_evens_out_feature_scales(toy, tmp_path):

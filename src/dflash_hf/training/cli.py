@@ -10,7 +10,6 @@ import logging
 import shlex
 import sys
 import time
-import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 from .corpus_shards import load_corpus_records
 from .data import DataConfig, build_dataset, eos_ids
-from .features import OnlineFeatures, ShardedFeatures, cache_features
+from .features import OnlineFeatures, ShardedFeatures, cache_features, cache_features_by_shard
 from .trainer import (
     DraftSpec,
     TrainConfig,
@@ -110,14 +109,18 @@ def hardware(device: torch.device) -> str:
 def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spec: DraftSpec, train: TrainConfig,
                 work_dir: Path, online_features: bool = False, save_dtype: torch.dtype = torch.bfloat16,
                 command: str | None = None, target=None, tokenizer=None, corpus: Path | None = None,
-                init_from: Path | None = None) -> dict:
+                init_from: Path | None = None, feature_minutes: float | None = None) -> dict:
     """Run the whole pipeline for one draft and save it with `save_pretrained` (plus a model card) into `out`.
 
     `target`/`tokenizer` may be passed in to skip loading; `work_dir` holds the data, the feature cache (shared by
     every draft reading the same layers) and the checkpoints of this draft. `corpus`: train on the answer shards of
     that folder (`dflash-hf corpus`) instead of generating data; their features are computed here. `init_from`: a
     saved draft of the same shape to continue from (a new schedule over `train.max_steps` more steps).
+    `feature_minutes`: with `corpus`, compute features of uncached shards for at most this long, then train on the
+    cached ones (`cache_features_by_shard`).
     """
+    if feature_minutes is not None and corpus is None:
+        raise ValueError("feature_minutes (--feature-minutes) budgets the features of a corpus: pass corpus too.")
     started = time.time()
     work_dir = Path(work_dir)
     if target is None:
@@ -132,10 +135,10 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         records = build_dataset(target, tokenizer, data, work_dir / "data", None if online_features else layer_ids)
     captured = all(r.get("features", {}).get("layer_ids") == list(layer_ids) for r in records)
     cache_name = "features-" + "-".join(map(str, layer_ids))
-    if corpus is not None:  # the corpus grows between sessions: one cache per exact record list
-        cache_name += f"-corpus-{len(records)}-{zlib.crc32(' '.join(r['id'] for r in records).encode()):08x}"
     if online_features:
         store = OnlineFeatures(target, records, layer_ids)
+    elif corpus is not None:  # the corpus grows between sessions: a cache per shard, computed once
+        store = cache_features_by_shard(target, records, layer_ids, work_dir / f"{cache_name}-corpus", feature_minutes)
     elif captured:
         store = ShardedFeatures(records, work_dir / "data" / "features")
     else:
@@ -180,6 +183,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         "target_dtype": str(target.dtype).removeprefix("torch."),
         "command": command,
         "corpus": str(corpus) if corpus is not None else None,
+        "corpus_shards": ({"used": len(store.stores), "total": len({r["shard"] for r in records})}
+                          if corpus is not None and not online_features else None),
         "prompts": {"code": code_prompts, "topic": len(records) - code_prompts},
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
@@ -278,6 +283,11 @@ def model_card(summary: dict, evaluation: str = "") -> str:
   and {prompts['topic']} to topic templates, the target's own questions and follow-ups, rewrites and summaries of
   earlier answers, all answered by the target with its chat template (mostly greedy, some sampled). No MT-Bench or
   HumanEval prompt was used (a test checks for overlap)."""
+        shards = summary.get("corpus_shards") or {}
+        if shards and shards["used"] < shards["total"]:
+            data_line += f"""
+- Trained on {shards['used']} of the corpus's {shards['total']} shards: those whose target states were cached within
+  the run's `--feature-minutes` (shards go in a fixed shuffled order, so they sample the whole corpus)."""
     budget = (f"{summary['train_sequences']} answers of the corpus" if summary.get("corpus") else
               f"minutes, a few thousand answers of at most {data['max_new_tokens']} tokens")
     return f"""---
@@ -361,6 +371,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--corpus", type=Path, default=None,
                         help="train on the answer shards of this folder (e.g. data/smollm2-135m, made by `dflash-hf "
                              "corpus`) instead of generating data")
+    parser.add_argument("--feature-minutes", type=float, default=None,
+                        help="with --corpus: compute the target's states of uncached shards for at most this long, "
+                             "then train on the shards cached so far (runs sharing a work dir split the shards)")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="continue training the draft saved in this folder (e.g. a shipped one on a grown "
                              "corpus): its weights and vocabulary, a new schedule of --max-steps steps; its shape "
@@ -436,7 +449,7 @@ def run(args) -> int:
             args.preset, kind, out, work_dir=args.work_dir, command=command, data_overrides=picked(_DATA_FLAGS),
             spec_overrides=picked(_SPEC_FLAGS), train_overrides=picked(_TRAIN_FLAGS),
             online_features=args.online_features, target=target, tokenizer=tokenizer, target_name=target_name,
-            corpus=args.corpus, init_from=args.init_from,
+            corpus=args.corpus, init_from=args.init_from, feature_minutes=args.feature_minutes,
         )
         heldout = summary["heldout"]
         print(f"{kind}: held-out tau {heldout['tau_decode']:.2f} (decode walk), {heldout['tau_anchors']:.2f} "

@@ -339,12 +339,12 @@ def write_written_prompts(target, tokenizer, path: Path, count: int, batch_size:
 
 def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.05,
                         corpus_obj: Corpus | None = None) -> list[dict]:
-    """Training records (`id`, `source`, `input_ids`, `loss_mask`, `heldout`) of every shard in `directory`.
+    """Training records (`id`, `source`, `shard`, `input_ids`, `loss_mask`, `heldout`) of every shard in `directory`.
 
     Prompts not stored in the shards are rebuilt from the installed packages; one whose rebuild does not match the
     ids it was answered for (other package versions) is dropped with a warning.
     """
-    shards = [read_shard(path)[1] for path in shard_paths(directory)]
+    shards = [[{**record, "shard": path.stem} for record in read_shard(path)[1]] for path in shard_paths(directory)]
     missing = {r["id"] for records in shards for r in records if r["prompt_ids"] is None}
     rebuilt = {}
     if missing:
@@ -358,7 +358,7 @@ def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.
             if prompt is None or ids_crc(prompt) != record["prompt_crc"]:
                 dropped += 1
                 continue
-            records.append({"id": record["id"], "source": record["source"],
+            records.append({"id": record["id"], "source": record["source"], "shard": record["shard"],
                             "input_ids": prompt + record["answer_ids"],
                             "loss_mask": [0] * len(prompt) + [1] * len(record["answer_ids"]),
                             "heldout": is_heldout(record["id"], heldout_fraction)})

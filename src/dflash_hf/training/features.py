@@ -7,8 +7,12 @@ more than a draft step, so for small targets these are computed once and memory-
 (`FeatureStore`); for targets too big to cache, `OnlineFeatures` computes the same dict on demand.
 """
 
+import fcntl
 import json
 import logging
+import time
+import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 PROGRESS_FILE = "progress.json"
+LOCK_FILE = "lock"
 ARRAYS = {  # name -> numpy dtype; shapes come from meta
     "tokens": np.int32,
     "loss_mask": np.uint8,
@@ -181,6 +186,111 @@ def cache_features(target, records: list[dict], layer_ids: list[int], directory:
                 array.flush()
             _write_progress(directory, index + 1)
     return FeatureStore(directory)
+
+
+@contextmanager
+def _claimed(directory: Path):
+    """Yields whether this process holds `directory`'s lock (False while another run holds it). The kernel drops
+    the lock when its holder exits, so a killed run never leaves a shard locked."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK_FILE, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def by_shard(records: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record["shard"], []).append(record)
+    return groups
+
+
+def shard_folders(groups: dict[str, list[dict]], root: Path) -> dict[str, Path]:
+    """{shard: its cache folder}, named by the shard and a checksum of its records: a shard whose records change
+    (another held-out fraction, prompts dropped under other package versions) gets a new folder, not a stale cache."""
+    folders = {}
+    for name, group in groups.items():
+        key = json.dumps([[r["id"], len(r["input_ids"]), bool(r.get("heldout", False))] for r in group])
+        folders[name] = Path(root) / f"{name}-{zlib.crc32(key.encode()):08x}"
+    return folders
+
+
+def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], root: Path,
+                            max_minutes: float | None = None, poll_seconds: float = 5.0) -> "ChainedFeatures":
+    """`cache_features` one corpus shard at a time (records carry their `shard`), each in its own folder under `root`.
+
+    A grown corpus then only computes its new shards, and `train` runs sharing `root` (one per draft kind, a core
+    each) split the shards between them through a lock per folder. With `max_minutes`, shards not cached by then are
+    left out of this run; shards go in a fixed shuffled order, so a partial cache is a fair sample of the corpus.
+    """
+    deadline = time.time() + 60 * max_minutes if max_minutes is not None else None
+    groups = by_shard(records)
+    folders = shard_folders(groups, root)
+    order = sorted(groups, key=lambda name: (zlib.crc32(name.encode()), name))
+    done: set[str] = set()
+    while True:
+        waiting = []
+        for name in order:
+            folder = folders[name]
+            if name in done or (folder / META_FILE).exists() and FeatureStore(folder).complete():
+                done.add(name)
+            elif deadline is not None and time.time() > deadline:
+                continue
+            else:
+                with _claimed(folder) as mine:
+                    if mine:
+                        cache_features(target, groups[name], layer_ids, folder)
+                        done.add(name)
+                    else:
+                        waiting.append(name)  # another run is computing it
+        if not waiting or (deadline is not None and time.time() > deadline):
+            break
+        time.sleep(poll_seconds)
+    if not done:
+        raise ValueError(f"No shard's features were cached within {max_minutes} minutes; allow more time.")
+    if len(done) < len(order):
+        logger.warning("Training on the %d of %d shards whose features are cached (%s minutes for features).",
+                       len(done), len(order), max_minutes)
+    return ChainedFeatures([FeatureStore(folders[name]) for name in order if name in done])
+
+
+class ChainedFeatures:
+    """Several `FeatureStore`s read as one: index i runs through them in order."""
+
+    def __init__(self, stores: list[FeatureStore]):
+        layer_sets = {tuple(store.layer_ids) for store in stores}
+        if len(layer_sets) != 1:
+            raise ValueError(f"Feature stores read different target layers: {sorted(layer_sets)}.")
+        self.stores = stores
+        self._where = [(store, i) for store in stores for i in range(len(store))]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.stores[0].layer_ids
+
+    def split(self, heldout: bool) -> list[int]:
+        flags = [flag for store in self.stores for flag in store.meta["heldout"]]
+        return [i for i, flag in enumerate(flags) if bool(flag) == heldout]
+
+    def complete(self) -> bool:
+        return all(store.complete() for store in self.stores)
+
+    def sequence(self, index: int) -> dict:
+        store, local = self._where[index]
+        return store.sequence(local)
+
+    def token_counts(self, vocab_size: int, assistant_only: bool = True, heldout: bool = False) -> torch.Tensor:
+        return sum(store.token_counts(vocab_size, assistant_only, heldout) for store in self.stores)
 
 
 class RecordFeatures:
