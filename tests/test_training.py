@@ -5,6 +5,8 @@ import importlib.util
 import json
 import math
 import threading
+import time
+import types
 import zlib
 from dataclasses import replace
 
@@ -15,7 +17,7 @@ from tiny import EOS, VOCAB, tiny_target
 
 from dflash_hf import DFlash2DraftModel, DFlashContextCache
 from dflash_hf.modeling_dflash import check_vocab_mapping
-from dflash_hf.training import trainer
+from dflash_hf.training import features, trainer
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
 from dflash_hf.training.features import (
     LOCK_FILE,
@@ -341,6 +343,35 @@ def test_features_cached_by_shard_compute_each_shard_once_and_wait_for_a_locked_
         a, b = full.sequence(i), single.sequence(i)
         assert all(torch.equal(a[name], b[name]) for name in a)
     assert torch.equal(full.token_counts(VOCAB), single.token_counts(VOCAB))
+
+
+def test_features_by_shard_count_the_shards_other_runs_finish_before_the_deadline(toy, tmp_path, monkeypatch):
+    """Two runs split the shards; once the time budget is spent, a run trains on every cached shard, including those
+    the other run finished after this one had passed them by."""
+    target, records = toy
+    groups = {name: [{**r, "shard": name} for r in records[8 * n : 8 * n + 8]]
+              for n, name in enumerate(["part-0000", "part-0001"])}
+    theirs, ours = sorted(groups, key=lambda name: zlib.crc32(name.encode()))  # the order both runs walk
+    folders = shard_folders(groups, tmp_path)
+    clock = [0.0]
+    monkeypatch.setattr(features, "time", types.SimpleNamespace(time=lambda: clock[0], sleep=time.sleep))
+    folders[theirs].mkdir()
+    other_run = open(folders[theirs] / LOCK_FILE, "w")
+    fcntl.flock(other_run, fcntl.LOCK_EX)
+
+    def while_we_compute_ours(module, args):  # the other run finishes its shard, then our budget runs out
+        if clock[0] == 0.0:
+            clock[0] = 120.0
+            cache_features(target, groups[theirs], LAYERS, folders[theirs])
+            other_run.close()
+
+    hook = target.register_forward_pre_hook(while_we_compute_ours)
+    try:
+        store = cache_features_by_shard(target, groups[theirs] + groups[ours], LAYERS, tmp_path, max_minutes=1.0)
+    finally:
+        hook.remove()
+    assert len(store) == 16 and [s.meta["ids"][0] for s in store.stores] == [groups[theirs][0]["id"],
+                                                                             groups[ours][0]["id"]]
 
 
 def test_balanced_fc_init_evens_out_feature_scales(toy, tmp_path):

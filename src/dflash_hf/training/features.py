@@ -234,31 +234,30 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
     groups = by_shard(records)
     folders = shard_folders(groups, root)
     order = sorted(groups, key=lambda name: (zlib.crc32(name.encode()), name))
-    done: set[str] = set()
+
+    def cached(name: str) -> bool:
+        return (folders[name] / META_FILE).exists() and FeatureStore(folders[name]).complete()
+
     while True:
         waiting = []
         for name in order:
-            folder = folders[name]
-            if name in done or (folder / META_FILE).exists() and FeatureStore(folder).complete():
-                done.add(name)
-            elif deadline is not None and time.time() > deadline:
+            if cached(name) or (deadline is not None and time.time() > deadline):
                 continue
-            else:
-                with _claimed(folder) as mine:
-                    if mine:
-                        cache_features(target, groups[name], layer_ids, folder)
-                        done.add(name)
-                    else:
-                        waiting.append(name)  # another run is computing it
+            with _claimed(folders[name]) as mine:
+                if mine:
+                    cache_features(target, groups[name], layer_ids, folders[name])
+                else:
+                    waiting.append(name)  # another run is computing it
         if not waiting or (deadline is not None and time.time() > deadline):
             break
         time.sleep(poll_seconds)
+    done = [name for name in order if cached(name)]  # other runs' shards finished meanwhile included
     if not done:
         raise ValueError(f"No shard's features were cached within {max_minutes} minutes; allow more time.")
     if len(done) < len(order):
         logger.warning("Training on the %d of %d shards whose features are cached (%s minutes for features).",
                        len(done), len(order), max_minutes)
-    return ChainedFeatures([FeatureStore(folders[name]) for name in order if name in done])
+    return ChainedFeatures([FeatureStore(folders[name]) for name in done])
 
 
 class ChainedFeatures:
