@@ -344,7 +344,8 @@ def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.
     Prompts not stored in the shards are rebuilt from the installed packages; one whose rebuild does not match the
     ids it was answered for (other package versions) is dropped with a warning.
     """
-    shards = [[{**record, "shard": path.stem} for record in read_shard(path)[1]] for path in shard_paths(directory)]
+    paths = shard_paths(directory)
+    shards = [read_shard(path)[1] for path in paths]
     missing = {r["id"] for records in shards for r in records if r["prompt_ids"] is None}
     rebuilt = {}
     if missing:
@@ -352,13 +353,13 @@ def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.
         rebuilt = {item_id: prompt_ids(tokenizer, item)
                    for item_id, item in corpus_obj.item_index(missing, tokenizer).items()}
     records, dropped = [], 0
-    for shard in shards:
+    for path, shard in zip(paths, shards):
         for record in shard:
             prompt = record["prompt_ids"] if record["prompt_ids"] is not None else rebuilt.get(record["id"])
             if prompt is None or ids_crc(prompt) != record["prompt_crc"]:
                 dropped += 1
                 continue
-            records.append({"id": record["id"], "source": record["source"], "shard": record["shard"],
+            records.append({"id": record["id"], "source": record["source"], "shard": path.stem,
                             "input_ids": prompt + record["answer_ids"],
                             "loss_mask": [0] * len(prompt) + [1] * len(record["answer_ids"]),
                             "heldout": is_heldout(record["id"], heldout_fraction)})
