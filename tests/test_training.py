@@ -1,9 +1,9 @@
 """Training: the block attention mask, the losses, anchor sampling, resume after a kill, and a tiny end-to-end run."""
 
-import fcntl
 import importlib.util
 import json
 import math
+import os
 import threading
 import time
 import types
@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import GenerationConfig
 from tiny import EOS, VOCAB, tiny_target
 
@@ -322,13 +323,13 @@ def test_features_cached_by_shard_compute_each_shard_once_and_wait_for_a_locked_
         assert len(forwards) == 16 and len(budget) == 16  # no time: the two cached shards only
         new_folder = shard_folders(by_shard(grown), tmp_path)["part-0002"]
         new_folder.mkdir()
-        holder = open(new_folder / LOCK_FILE, "w")
-        fcntl.flock(holder, fcntl.LOCK_EX)  # another run computing that shard...
+        holder = FileLock(new_folder / LOCK_FILE, thread_local=False)  # released from a timer thread
+        holder.acquire()  # another run computing that shard...
         untouched_while_held = []
 
         def release():  # ...that dies without finishing
             untouched_while_held.append(not (new_folder / META_FILE).exists())
-            holder.close()
+            holder.release()
 
         threading.Timer(0.5, release).start()
         full = cache_features_by_shard(target, grown, LAYERS, tmp_path, poll_seconds=0.05)
@@ -356,14 +357,14 @@ def test_features_by_shard_count_the_shards_other_runs_finish_before_the_deadlin
     clock = [0.0]
     monkeypatch.setattr(features, "time", types.SimpleNamespace(time=lambda: clock[0], sleep=time.sleep))
     folders[theirs].mkdir()
-    other_run = open(folders[theirs] / LOCK_FILE, "w")
-    fcntl.flock(other_run, fcntl.LOCK_EX)
+    other_run = FileLock(folders[theirs] / LOCK_FILE)
+    other_run.acquire()
 
     def while_we_compute_ours(module, args):  # the other run finishes its shard, then our budget runs out
         if clock[0] == 0.0:
             clock[0] = 120.0
             cache_features(target, groups[theirs], LAYERS, folders[theirs])
-            other_run.close()
+            other_run.release()
 
     hook = target.register_forward_pre_hook(while_we_compute_ours)
     try:
@@ -372,6 +373,26 @@ def test_features_by_shard_count_the_shards_other_runs_finish_before_the_deadlin
         hook.remove()
     assert len(store) == 16 and [s.meta["ids"][0] for s in store.stores] == [groups[theirs][0]["id"],
                                                                              groups[ours][0]["id"]]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_reading_features_keeps_no_file_open(toy, tmp_path):
+    """A corpus cache has hundreds of shards of five files each, more than the usual limit of 1,024 open files if
+    every shard kept its files mapped: reading must leave no descriptor open."""
+    target, records = toy
+    open_files = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = open_files()
+    corpus = cache_features_by_shard(target, [{**r, "shard": f"part-{n // 4:04d}"} for n, r in enumerate(records[:24])],
+                                     LAYERS, tmp_path / "corpus")
+    shard_records = [dict(r) for r in records[:6]]
+    for n, record in enumerate(shard_records):  # one generation shard per record
+        feats = [target_features(target, torch.tensor(record["input_ids"]), LAYERS)]
+        offset = write_feature_shard(tmp_path / "shards", n, feats)[0]
+        record["features"] = {"shard": n, "offset": offset, "layer_ids": LAYERS}
+    generated = ShardedFeatures(shard_records, tmp_path / "shards")
+    reads = [store.sequence(i) for store in (corpus, generated) for i in range(len(store))]
+    assert len(corpus.stores) == 6 and len(reads) == 30
+    assert open_files() - before < 3  # six corpus shards (30 files) and six generation shards (18) read
 
 
 def test_balanced_fc_init_evens_out_feature_scales(toy, tmp_path):

@@ -3,11 +3,10 @@
 Per token we keep: the concatenated states of `target_layer_ids` (z-lab meaning: id t is `hidden_states[t + 1]`), the
 input of the target's lm_head (to rebuild its logits over any vocabulary subset) and the log-sum-exp of its full
 logits (so probabilities over a pruned vocabulary stay normalised over the whole one). A target forward costs far
-more than a draft step, so for small targets these are computed once and memory-mapped from disk
+more than a draft step, so for small targets these are computed once and read back from disk
 (`FeatureStore`); for targets too big to cache, `OnlineFeatures` computes the same dict on demand.
 """
 
-import fcntl
 import json
 import logging
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -68,18 +68,25 @@ def teacher_logits(head_weight: torch.Tensor, head_bias: torch.Tensor | None, fi
 
 
 class FeatureStore:
-    """Memory-mapped features of a whole data set, one flat token axis with per-sequence offsets."""
+    """Features of a whole data set on disk, one flat token axis with per-sequence offsets.
+
+    Rows are read from the files per sequence rather than kept memory-mapped: a map holds a file descriptor, and a
+    corpus of hundreds of shards at five files each would pass the usual limit of 1,024 open files.
+    """
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.meta = json.loads((self.directory / META_FILE).read_text())
-        num_tokens = self.meta["num_tokens"]
-        widths = {"context": self.meta["context_width"], "final": self.meta["hidden_size"]}
-        self.arrays = {}
-        for name, dtype in ARRAYS.items():
-            shape = (num_tokens, widths[name]) if name in widths else (num_tokens,)
-            self.arrays[name] = np.memmap(self.directory / f"{name}.bin", dtype=dtype, mode="r", shape=shape)
         self.offsets = self.meta["offsets"]
+
+    def _rows(self, name: str, start: int, end: int) -> np.ndarray:
+        dtype, row = np.dtype(ARRAYS[name]), _shape(self.meta, name)[1:]
+        per_token, path = int(np.prod(row)), self.directory / f"{name}.bin"
+        count = (end - start) * per_token
+        rows = np.fromfile(path, dtype=dtype, count=count, offset=start * per_token * dtype.itemsize)
+        if rows.size != count:
+            raise ValueError(f"{path} is shorter than its {META_FILE} says; delete {self.directory} to recompute it.")
+        return rows.reshape(end - start, *row)
 
     def __len__(self) -> int:
         return len(self.meta["ids"])
@@ -96,7 +103,7 @@ class FeatureStore:
 
     def sequence(self, index: int) -> dict:
         start, end = self.offsets[index], self.offsets[index + 1]
-        item = {name: torch.from_numpy(np.array(array[start:end])) for name, array in self.arrays.items()}
+        item = {name: torch.from_numpy(self._rows(name, start, end)) for name in ARRAYS}
         item["tokens"] = item["tokens"].long()
         item["loss_mask"] = item["loss_mask"].bool()
         for name in ("context", "final"):
@@ -113,6 +120,12 @@ class FeatureStore:
         return counts
 
 
+def _shape(meta: dict, name: str) -> tuple[int, ...]:
+    """Shape of array `name` of a feature cache: a row of states per token, or one value per token."""
+    width = {"context": meta["context_width"], "final": meta["hidden_size"]}.get(name)
+    return (meta["num_tokens"],) if width is None else (meta["num_tokens"], width)
+
+
 def progress_count(directory: Path) -> int:
     path = Path(directory) / PROGRESS_FILE
     return json.loads(path.read_text())["done"] if path.exists() else 0
@@ -126,7 +139,7 @@ def _write_progress(directory: Path, done: int) -> None:
 
 def cache_features(target, records: list[dict], layer_ids: list[int], directory: Path,
                    flush_every: int = 16) -> FeatureStore:
-    """Compute and memory-map the features of `records` (dicts with `id`, `input_ids`, `loss_mask`, `heldout`).
+    """Compute and store on disk the features of `records` (dicts with `id`, `input_ids`, `loss_mask`, `heldout`).
 
     Resumable: the layout is fixed by the first call (meta.json) and `progress.json` counts finished sequences, so a
     killed run recomputes at most `flush_every` of them. A different record list or layer choice is an error rather
@@ -157,19 +170,13 @@ def cache_features(target, records: list[dict], layer_ids: list[int], directory:
                 "Use a new directory, or delete this one to recompute."
             )
     else:
-        widths = {"context": meta["context_width"], "final": meta["hidden_size"]}
         for name, dtype in ARRAYS.items():
-            shape = (meta["num_tokens"], widths[name]) if name in widths else (meta["num_tokens"],)
-            np.memmap(directory / f"{name}.bin", dtype=dtype, mode="w+", shape=shape).flush()
+            np.memmap(directory / f"{name}.bin", dtype=dtype, mode="w+", shape=_shape(meta, name)).flush()
         _write_progress(directory, 0)
         meta_path.write_text(json.dumps(meta))
     done = progress_count(directory)
-    widths = {"context": meta["context_width"], "final": meta["hidden_size"]}
-    arrays = {
-        name: np.memmap(directory / f"{name}.bin", dtype=dtype, mode="r+",
-                        shape=(meta["num_tokens"], widths[name]) if name in widths else (meta["num_tokens"],))
-        for name, dtype in ARRAYS.items()
-    }
+    arrays = {name: np.memmap(directory / f"{name}.bin", dtype=dtype, mode="r+", shape=_shape(meta, name))
+              for name, dtype in ARRAYS.items()}
     for index in tqdm(range(done, len(records)), total=len(records), initial=done, desc="target features",
                       unit="seq"):
         record = records[index]
@@ -190,19 +197,19 @@ def cache_features(target, records: list[dict], layer_ids: list[int], directory:
 
 @contextmanager
 def _claimed(directory: Path):
-    """Yields whether this process holds `directory`'s lock (False while another run holds it). The kernel drops
-    the lock when its holder exits, so a killed run never leaves a shard locked."""
+    """Yields whether this process holds `directory`'s lock (False while another run holds it). The operating system
+    drops the lock when its holder exits, so a killed run never leaves a shard locked."""
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK_FILE, "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    lock = FileLock(directory / LOCK_FILE)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def by_shard(records: list[dict]) -> dict[str, list[dict]]:
@@ -366,7 +373,7 @@ def write_feature_shard(directory: Path, shard: int, features: list[TargetFeatur
 
 
 class ShardedFeatures(RecordFeatures):
-    """Features captured while the target wrote the records, read back from memory-mapped shards."""
+    """Features captured while the target wrote the records, read back from its .npy shards."""
 
     def __init__(self, records: list[dict], directory: Path):
         missing = [r["id"] for r in records if "features" not in r]
@@ -378,20 +385,15 @@ class ShardedFeatures(RecordFeatures):
             raise ValueError(f"Records were captured with different target layers: {sorted(layer_sets)}.")
         super().__init__(records, list(layer_sets.pop()))
         self.directory = Path(directory)
-        self._shards: dict[int, dict[str, np.ndarray]] = {}
-
-    def _shard(self, shard: int) -> dict[str, np.ndarray]:
-        if shard not in self._shards:
-            self._shards[shard] = {name: np.load(_shard_path(self.directory, shard, name), mmap_mode="r")
-                                   for name in SHARD_ARRAYS}
-        return self._shards[shard]
 
     def sequence(self, index: int) -> dict:
         record = self.records[index]
-        arrays = self._shard(record["features"]["shard"])
-        start = record["features"]["offset"]
+        shard, start = record["features"]["shard"], record["features"]["offset"]
         end = start + len(record["input_ids"])
-        item = {name: torch.from_numpy(np.array(array[start:end])).float() for name, array in arrays.items()}
+        item = {}
+        for name in SHARD_ARRAYS:  # mapped for this read only: a map kept open holds a file descriptor
+            array = np.load(_shard_path(self.directory, shard, name), mmap_mode="r")
+            item[name] = torch.from_numpy(np.array(array[start:end])).float()
         item["tokens"] = torch.tensor(record["input_ids"], dtype=torch.long)
         item["loss_mask"] = torch.tensor(record["loss_mask"], dtype=torch.bool)
         return item
