@@ -484,9 +484,9 @@ def test_warm_start_continues_a_saved_draft_and_refuses_another_shape(toy, tmp_p
     history = previous_training(saved_dir)
     assert history["steps"] == 250 and history["sequences_per_step"] == 4 and history["init_from"] is None
     chained = {"path": "b", "steps": 5, "init_from": history}  # a warm start of a warm start, newest first
-    assert training_history(chained) == ("- Continued from `b`: 5 steps on unrecorded hardware.\n"
-                                         f"- Continued from `{saved_dir}`: 250 steps of 4 x 16 on 123 assistant tokens"
-                                         " on a test (`first run`).\n")
+    assert training_history(chained) == ("- Continued from `b`, made by 5 steps on unrecorded hardware.\n"
+                                         f"- Continued from `{saved_dir}`, made by 250 steps of 4 x 16 on 123 assistant"
+                                         " tokens on a test, from a fresh initialisation (`first run`).\n")
 
     with pytest.raises(ValueError, match="markov_rank=4, but this run's spec gives 8"):
         trainer.warm_start_draft(target, toy_spec("dspark", draft_vocab_size=64, markov_rank=8,

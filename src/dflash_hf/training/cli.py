@@ -219,15 +219,17 @@ def previous_training(path: Path) -> dict:
 
 
 def training_history(previous: dict | None) -> str:
-    """The card's lines on the earlier training a warm-started draft carries, newest first."""
+    """The card's lines on the earlier trainings a warm-started draft carries, newest first: each names the draft
+    that run continued and the run that made it."""
     lines = []
     while previous:
         batch = (f" of {previous['sequences_per_step']} x {previous['anchors_per_sequence']}"
                  if previous.get("sequences_per_step") else "")
         data = (f" on {previous['train_tokens_assistant']} assistant tokens"
                 if previous.get("train_tokens_assistant") else "")
-        lines.append(f"- Continued from `{previous['path']}`: {previous.get('steps') or 'unknown'} steps{batch}{data}"
-                     f" on {previous.get('hardware') or 'unrecorded hardware'}"
+        origin = "" if previous.get("init_from") else ", from a fresh initialisation"
+        lines.append(f"- Continued from `{previous['path']}`, made by {previous.get('steps') or 'unknown'} steps{batch}"
+                     f"{data} on {previous.get('hardware') or 'unrecorded hardware'}{origin}"
                      + (f" (`{previous['command']}`)." if previous.get("command") else "."))
         previous = previous.get("init_from")
     return "".join(line + "\n" for line in lines)
