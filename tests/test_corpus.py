@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -384,6 +385,49 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     assert draft.config.draft_vocab_size == 32
     assert draft.t2d.nonzero().flatten().tolist() == kept.tolist()
     assert summary["draft_vocab_coverage"] == pytest.approx(float(counts[kept].sum() / counts.sum()))
+    prompt = torch.tensor([tokenizer.encode("Say something about 7.")])
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=draft)
+    assert out.tolist() == expected.tolist()
+
+
+def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_path):
+    """`--init-from` with `--rechoose-vocab`: a DSpark draft pruned to 16 ids continues with the 32 this corpus's
+    answers use most (its card says what it had before); without the flag another size is refused, naming it. The
+    continued draft generates exactly the target's tokens."""
+    from transformers import AutoModel
+
+    from dflash_hf.training.cli import train_draft
+    from dflash_hf.training.data import DataConfig
+
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(16)]
+    shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=16),
+                           written_prompts=0, parts=("topics",),
+                           corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics}))
+    spec = DraftSpec(kind="dspark", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
+                     target_layer_ids=[1, 2], draft_vocab_size=16, markov_rank=4)
+    train = TrainConfig(max_steps=2, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100)
+    common = dict(target_name="tiny", data=DataConfig(heldout_fraction=0.2), train=train, target=target,
+                  tokenizer=tokenizer, corpus=tmp_path / "corpus", save_dtype=torch.float32)
+    train_draft("dspark", tmp_path / "first", spec=spec, work_dir=tmp_path / "work1", **common)
+    wider = replace(spec, draft_vocab_size=32)
+    with pytest.raises(ValueError, match="draft_vocab_size=16, but this run's spec gives 32"):
+        train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "work2",
+                    init_from=tmp_path / "first", **common)
+    summary = train_draft("dspark", tmp_path / "again", spec=wider, work_dir=tmp_path / "work3",
+                          init_from=tmp_path / "first", rechoose_vocab=True, **common)
+
+    records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)
+    counts = RecordFeatures(records, [1, 2]).token_counts(VOCAB_SIZE)
+    kept = most_frequent_ids(counts, 32, always_keep={tokenizer.eos_token_id})
+    first = AutoModel.from_pretrained(tmp_path / "first")
+    draft = AutoModel.from_pretrained(tmp_path / "again")
+    assert draft.t2d.nonzero().flatten().tolist() == kept.tolist()
+    before = summary["init_from"]["vocab_here"]
+    assert before == {"draft_vocab_size": 16, "coverage": pytest.approx(float(counts[first.t2d].sum() / counts.sum()))}
+    assert summary["draft_vocab_coverage"] == pytest.approx(float(counts[kept].sum() / counts.sum()))
+    assert f"before, 16 ids covering {before['coverage']:.2%}" in (tmp_path / "again" / "README.md").read_text()
     prompt = torch.tensor([tokenizer.encode("Say something about 7.")])
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     out = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=draft)

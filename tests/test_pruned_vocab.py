@@ -15,7 +15,7 @@ from dflash_hf import DFlashConfig, DFlashContextCache, cli
 from dflash_hf.formats import export_draft, load_draft
 from dflash_hf.modeling_dflash2 import scatter_candidates, selector_walk
 from dflash_hf.training.corpus_shards import write_shard
-from dflash_hf.training.trainer import full_vocabulary_copy
+from dflash_hf.training.trainer import vocabulary_copy
 from tiny import draft_fields, random_dflash, random_dflash2, random_dspark, tiny_target
 from tiny_pair import char_tokenizer, save_tiny_pair
 
@@ -148,7 +148,7 @@ def test_training_continues_over_the_whole_vocabulary():
     """A warm start un-prunes a draft that borrows the target's head (nothing was cut from it) and refuses one
     whose own head lost the rows."""
     target, full, pruned = pair("dflash2")
-    again = full_vocabulary_copy(pruned)
+    again = vocabulary_copy(pruned)
     assert not again.config.drafts_pruned_vocab and "d2t" not in again.state_dict()
     again.bind_target(target)
     context, anchors = block_inputs(full, seed=4)
@@ -156,7 +156,36 @@ def test_training_continues_over_the_whole_vocabulary():
     own = random_dflash(target, block_size=4, shares_target_embeddings=False)
     own.prune_vocabulary(KEPT)
     with pytest.raises(ValueError, match="own lm_head"):
-        full_vocabulary_copy(own)
+        vocabulary_copy(own)
+
+
+def test_a_pruned_dspark_draft_moves_to_another_vocabulary():
+    """Re-chosen on a larger corpus, a DSpark draft keeps its Markov bias for the ids it kept before and starts the
+    newly kept ones at none: it proposes what the full draft with those rows zeroed proposes over the new ids."""
+    target = tiny_target("llama", vocab_size=VOCAB)
+    full = random_dspark(target, block_size=6, num_layers=2, layer_ids=[0, 2], seed=2)
+    with torch.no_grad():
+        full.markov_head.markov_w2.weight.normal_(0.0, 3.0)  # biases large enough to change the walk
+    pruned = copy.deepcopy(full)
+    pruned.prune_vocabulary(KEPT)
+    other = [i for i in range(VOCAB) if i % 2]  # half of them kept before, half new
+    moved = vocabulary_copy(pruned, other)
+    reference = copy.deepcopy(full)
+    with torch.no_grad():
+        reference.markov_head.markov_w2.weight[[i for i in other if i not in KEPT]] = 0.0
+    reference.prune_vocabulary(other)
+    assert torch.equal(moved.t2d, reference.t2d) and moved.config.draft_vocab_size == len(other)
+    for draft in (moved, reference):
+        draft.bind_target(target)
+    context, anchors = block_inputs(full, seed=5)
+    got, want = (propose(d, context, anchors, need_logits=True) for d in (moved, reference))
+    torch.testing.assert_close(got.draft_logits, want.draft_logits)
+    assert torch.equal(got.draft_ids, want.draft_ids)
+    own = random_dflash(target, block_size=4, shares_target_embeddings=False)
+    own.prune_vocabulary(KEPT)
+    assert vocabulary_copy(own, KEPT[:10]).lm_head.weight.shape == (10, target.config.hidden_size)
+    with pytest.raises(ValueError, match="own lm_head"):
+        vocabulary_copy(own, other)
 
 
 @pytest.mark.parametrize("kept, message", [([], "non-empty"), ([3, VOCAB], r"\[0, vocab_size=40\)"),

@@ -26,6 +26,7 @@ from .trainer import (
     draft_config_for,
     heldout_tau,
     train_loop,
+    vocabulary_copy,
     warm_start_draft,
 )
 from .vocab import build_vocab_mapping, coverage, most_frequent_ids
@@ -109,13 +110,16 @@ def hardware(device: torch.device) -> str:
 def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spec: DraftSpec, train: TrainConfig,
                 work_dir: Path, online_features: bool = False, save_dtype: torch.dtype = torch.bfloat16,
                 command: str | None = None, target=None, tokenizer=None, corpus: Path | None = None,
-                init_from: Path | None = None, feature_minutes: float | None = None) -> dict:
+                init_from: Path | None = None, feature_minutes: float | None = None,
+                rechoose_vocab: bool = False) -> dict:
     """Run the whole pipeline for one draft and save it with `save_pretrained` (plus a model card) into `out`.
 
     `target`/`tokenizer` may be passed in to skip loading; `work_dir` holds the data, the feature cache (shared by
     every draft reading the same layers) and the checkpoints of this draft. `corpus`: train on the answer shards of
     that folder (`dflash-hf corpus`) instead of generating data; their features are computed here. `init_from`: a
-    saved draft of the same shape to continue from (a new schedule over `train.max_steps` more steps).
+    saved draft of the same shape to continue from (a new schedule over `train.max_steps` more steps);
+    `rechoose_vocab`: a DSpark one's pruned vocabulary is chosen again from this data (`spec.draft_vocab_size` ids),
+    as DFlash and DFlash 2 drafts' always is.
     `feature_minutes`: with `corpus`, compute features of uncached shards for at most this long, then train on the
     cached ones (`cache_features_by_shard`).
     """
@@ -149,13 +153,21 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     keep_eos = eos_ids(tokenizer, target)
     vocab_coverage, previous = None, None
     if init_from is not None:  # its weights and vocabulary, as trained
-        draft = warm_start_draft(target, spec, init_from)
+        draft = warm_start_draft(target, spec, init_from, same_vocab_size=not rechoose_vocab)
         previous = previous_training(Path(init_from))
         # What it reaches on this data before any step here, for the card beside what it reaches after.
         previous["heldout_here"] = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
         logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
         if pruned_in_training:
-            vocab_coverage = coverage(store.token_counts(vocab_size), draft.t2d.cpu())
+            counts = store.token_counts(vocab_size)
+            vocab_coverage = coverage(counts, draft.t2d.cpu())
+            if rechoose_vocab:
+                previous["vocab_here"] = {"draft_vocab_size": draft.config.draft_vocab_size, "coverage": vocab_coverage}
+                logger.info("Re-choosing the vocabulary: %d ids covered %.4f here", draft.config.draft_vocab_size,
+                            vocab_coverage)
+                draft = vocabulary_copy(draft, most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
+                draft.bind_target(target)
+                vocab_coverage = coverage(counts, draft.t2d.cpu())
     else:
         mapping = None
         if pruned_in_training:
@@ -244,6 +256,16 @@ def warm_start_gain(previous: dict | None) -> str:
             f"the decode walk and {before['tau_anchors']:.2f} over every anchor on the same held-out answers.\n")
 
 
+def vocabulary_change(previous: dict | None) -> str:
+    """The card's line on a vocabulary chosen again for this run (`--rechoose-vocab`)."""
+    before = (previous or {}).get("vocab_here")
+    if not before:
+        return ""
+    return (f"- Its pruned vocabulary was chosen again from this run's answers: before, {before['draft_vocab_size']} "
+            f"ids covering {before['coverage']:.2%} of their tokens (ids kept again kept their Markov rows, new ones "
+            "started with none).\n")
+
+
 def save_draft(draft, out: Path, summary: dict, dtype: torch.dtype) -> None:
     """save_pretrained in `dtype` (a copy: the trained draft stays as it was), the summary, and a model card."""
     out.mkdir(parents=True, exist_ok=True)
@@ -319,7 +341,7 @@ from {vocab}.{heads}
 - Held-out tau (greedy, block {spec['block_size']}, teacher-forced on the target's own answers): {heldout['tau_decode']:.2f}
   along the greedy decode walk, {heldout['tau_anchors']:.2f} averaged over every anchor ({heldout['blocks']} blocks,
   {heldout['sequences']} sequences).
-{warm_start_gain(summary.get('init_from'))}{evaluation}
+{warm_start_gain(summary.get('init_from'))}{vocabulary_change(summary.get('init_from'))}{evaluation}
 ## Limits
 - Made for this exact target; useless with another one.
 - A small training budget ({budget}): acceptance is far below what drafts trained on
@@ -380,6 +402,10 @@ def add_parser(subparsers) -> None:
                         help="continue training the draft saved in this folder (e.g. a shipped one on a grown "
                              "corpus): its weights and vocabulary, a new schedule of --max-steps steps; its shape "
                              "must match the run's")
+    parser.add_argument("--rechoose-vocab", action="store_true",
+                        help="with --init-from a DSpark draft: choose its pruned vocabulary again from this run's "
+                             "answers (--draft-vocab-size ids; kept ids keep their Markov rows). DFlash and DFlash 2 "
+                             "drafts choose theirs after every training anyway")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 where fast), float32, ...")
     parser.add_argument("--device", default=None, help="where the target answers and the draft trains (default: "
@@ -452,6 +478,7 @@ def run(args) -> int:
             spec_overrides=picked(_SPEC_FLAGS), train_overrides=picked(_TRAIN_FLAGS),
             online_features=args.online_features, target=target, tokenizer=tokenizer, target_name=target_name,
             corpus=args.corpus, init_from=args.init_from, feature_minutes=args.feature_minutes,
+            rechoose_vocab=args.rechoose_vocab,
         )
         heldout = summary["heldout"]
         print(f"{kind}: held-out tau {heldout['tau_decode']:.2f} (decode walk), {heldout['tau_anchors']:.2f} "

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from ..configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
 from ..configuration_dflash2 import DFlash2Config
 from ..layers_dflash import layer_attention_mask
-from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk
+from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk, vocab_maps
 from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
 from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids
@@ -204,17 +204,38 @@ def build_draft(target, spec: DraftSpec, vocab_mapping=None, seed: int = 0) -> D
     return draft
 
 
-def full_vocabulary_copy(draft: DFlashDraftModel) -> DFlashDraftModel:
-    """A vocabulary-pruned DFlash or DFlash 2 draft proposing from the whole vocabulary again: it has no weights per
-    draft id when it borrows the target's head, so nothing is lost."""
-    if not draft.config.shares_target_lm_head:
+def vocabulary_copy(draft: DFlashDraftModel, kept_ids=None) -> DFlashDraftModel:
+    """The same draft proposing from the target ids `kept_ids` (None: the whole vocabulary again), before it is
+    bound to a target: e.g. a draft pruned on an early corpus whose vocabulary a larger one re-chooses.
+
+    Nothing trained is lost for ids kept before. A draft that borrows the target's head has no head rows of its own;
+    DSpark's Markov output rows are carried over and start at zero (no bias) for newly kept ids. A draft with its own
+    pruned lm_head holds rows only for the ids it kept, so it can move only within them."""
+    vocab_size = draft.config.vocab_size
+    kept = torch.arange(vocab_size) if kept_ids is None else torch.as_tensor(kept_ids, dtype=torch.long).cpu().unique()
+    if kept.numel() == 0 or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
+        raise ValueError(f"`kept_ids` must be a non-empty set of target ids in [0, vocab_size={vocab_size}).")
+    old = draft.draft_to_target().cpu() if draft.config.drafts_pruned_vocab else torch.arange(vocab_size)
+    old_row = torch.full((vocab_size,), -1, dtype=torch.long)
+    old_row[old] = torch.arange(old.numel())
+    rows = old_row[kept]  # -1: an id the draft did not propose before
+    if not draft.config.shares_target_lm_head and bool((rows < 0).any()):
         raise ValueError("This pruned draft has its own lm_head, which holds only the kept rows; train it pruned or "
                          "from its unpruned checkpoint.")
     config = copy.deepcopy(draft.config)
-    config.draft_vocab_size = config.vocab_size
-    full = type(draft)(config)
-    full.load_state_dict({k: v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")})
-    return full
+    config.draft_vocab_size = kept.numel()
+    config.validate_draft()
+    moved = type(draft)(config)
+    state = {k: v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}
+    for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
+        if name in state:
+            weight, at = state[name], rows.to(state[name].device)
+            state[name] = torch.where((at >= 0)[:, None], weight[at.clamp(min=0)], 0.0)
+    state.update({k: v for k, v in moved.state_dict().items() if k in ("d2t", "t2d")})  # installed below
+    moved.load_state_dict(state)
+    if config.drafts_pruned_vocab:
+        moved.set_vocab_mapping(*vocab_maps(kept, vocab_size))
+    return moved.to(draft.fc.weight.device)
 
 
 # Config fields that fix what a draft computes: a warm start must agree with the run's spec on every one.
@@ -225,10 +246,11 @@ _WARM_START_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hid
                       "selector_rank", "selector_top_k")
 
 
-def warm_start_draft(target, spec: DraftSpec, path: Path) -> DFlashDraftModel:
+def warm_start_draft(target, spec: DraftSpec, path: Path, same_vocab_size: bool = True) -> DFlashDraftModel:
     """The draft saved in `path` (weights and, for DSpark, its pruned vocabulary), to train further, e.g. a shipped
     draft continued on a larger corpus in a later session. Its config must match the draft `spec` describes (named
-    field by field), so a warm start never silently trains another shape."""
+    field by field), so a warm start never silently trains another shape; `same_vocab_size=False` when the caller
+    chooses its vocabulary again (`vocabulary_copy`)."""
     wanted = draft_config_for(target, spec)
     classes = {"dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel, "dflash": DFlashDraftModel}
     config_file = Path(path) / "config.json"
@@ -239,8 +261,10 @@ def warm_start_draft(target, spec: DraftSpec, path: Path) -> DFlashDraftModel:
         raise ValueError(f"The draft in {path} is a {saved_type!r} draft, but this run trains {spec.kind!r} (--kind).")
     draft = classes[spec.kind].from_pretrained(path, dtype=torch.float32)
     if spec.kind != "dspark" and draft.config.drafts_pruned_vocab:
-        draft = full_vocabulary_copy(draft)  # pruned after training, so trained further over the whole vocabulary
+        draft = vocabulary_copy(draft)  # pruned after training, so trained further over the whole vocabulary
     for name in _WARM_START_FIELDS:
+        if name == "draft_vocab_size" and not same_vocab_size:
+            continue
         have, want = getattr(draft.config, name, None), getattr(wanted, name, None)
         if have != want:
             raise ValueError(f"The draft in {path} has {name}={have!r}, but this run's spec gives {want!r}: pass its "
