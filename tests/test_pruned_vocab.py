@@ -1,4 +1,5 @@
-"""A full-vocabulary DFlash or DFlash 2 draft pruned after training (`prune_vocabulary`, `dflash-hf prune-vocab`):
+"""A full-vocabulary DFlash or DFlash 2 draft pruned after training (`prune_vocabulary`, `dflash-hf prune-vocab`),
+or a pruned one moved to another vocabulary (`vocabulary_copy`):
 it proposes what the unpruned draft proposes with the other ids masked out, saves and loads as such, is trained further
 over the whole vocabulary, and refuses what it cannot be. Generation with it stays exact: the pruned cases of
 `test_generate.py` and `test_dflash2.py` (greedy and sampling)."""
@@ -249,7 +250,9 @@ def test_prune_vocab_command_keeps_eos_and_the_most_frequent_answer_ids(tmp_path
     assert pruned.t2d.nonzero()[:, 0].tolist() == sorted([2] + kept_letters)
     auto = AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True)  # as a Hub user loads it
     assert type(auto).__name__ == "DFlash2DraftModel" and torch.equal(auto.t2d, pruned.t2d)
-    again = ["prune-vocab", str(tmp_path / "pruned"), "--out", str(tmp_path / "again"), *args[4:]]
-    with pytest.raises(ValueError, match="already proposes"):
-        cli.main(again)
-    assert not (tmp_path / "again").exists()
+    # Pruned again, smaller (it borrows the target's head, so any size would do): EOS and the 3 most frequent.
+    again = ["prune-vocab", str(tmp_path / "pruned"), "--out", str(tmp_path / "again"), "--size", "4", *args[6:]]
+    assert cli.main(again) == 0
+    report_again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report_again["coverage_before"] == report["coverage"]
+    assert load_draft(tmp_path / "again").t2d.nonzero()[:, 0].tolist() == sorted([2] + letters[-3:])

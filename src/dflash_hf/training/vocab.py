@@ -1,5 +1,5 @@
 """Pruned draft vocabulary: keep the target ids the assistant actually writes; `dflash-hf prune-vocab` prunes a
-trained full-vocabulary draft after the fact.
+trained draft after the fact (again, to another size or corpus, when it borrows the target's head).
 
 The draft's output head over the full vocabulary dominates its cost on small targets (REFERENCE section 8), and most
 ids never appear in answers. The mapping follows the speculators convention that `check_vocab_mapping` enforces:
@@ -59,8 +59,8 @@ def target_to_draft_ids(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Te
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "prune-vocab", help="make a full-vocabulary draft propose only the ids a corpus's answers use most (faster, "
-                            "still lossless)")
+        "prune-vocab", help="make a draft propose only the ids a corpus's answers use most (faster, still lossless); "
+                            "a pruned draft that borrows the target's head can be pruned again, to any size")
     parser.add_argument("draft", help="the draft: folder or Hub id, any dialect `dflash-hf convert` reads")
     parser.add_argument("--out", type=Path, required=True, help="folder for the pruned draft (ours, trust_remote_code)")
     parser.add_argument("--size", type=int, required=True, help="how many target ids the draft keeps")
@@ -77,6 +77,7 @@ def run_prune(args) -> int:
     from ..formats import export_draft, load_draft
     from .corpus_shards import DEFAULT_CORPUS_DIR, answer_token_counts
     from .data import eos_ids
+    from .trainer import vocabulary_copy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     corpus = args.corpus or DEFAULT_CORPUS_DIR
@@ -85,8 +86,10 @@ def run_prune(args) -> int:
     counts = answer_token_counts(corpus, draft.config.vocab_size)
     if not int(counts.sum()):
         raise ValueError(f"--corpus: {corpus} has no answer shards to count.")
-    draft.prune_vocabulary(most_frequent_ids(counts, args.size, always_keep=eos_ids(tokenizer, target)))
+    was = coverage(counts, draft.t2d.cpu()) if draft.config.drafts_pruned_vocab else 1.0
+    draft = vocabulary_copy(draft, most_frequent_ids(counts, args.size, always_keep=eos_ids(tokenizer, target)))
     export_draft(draft, args.out, "hf", overwrite=args.overwrite)
     print(json.dumps({"out": str(args.out), "draft_vocab_size": args.size,
-                      "coverage": round(coverage(counts, draft.t2d.cpu()), 4), "answer_tokens": int(counts.sum())}))
+                      "coverage": round(coverage(counts, draft.t2d.cpu()), 4), "coverage_before": round(was, 4),
+                      "answer_tokens": int(counts.sum())}))
     return 0
