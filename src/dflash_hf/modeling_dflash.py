@@ -283,10 +283,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if self.config.drafts_pruned_vocab:
             raise ValueError(f"This draft already proposes from {self.config.draft_vocab_size} ids; prune a draft "
                              "that keeps the whole vocabulary.")
-        kept = torch.as_tensor(kept_ids, dtype=torch.long).flatten().unique()  # sorted, as `t2d` order requires
         vocab_size = self.config.vocab_size
-        if kept.numel() == 0 or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
-            raise ValueError(f"`kept_ids` must be a non-empty set of target ids in [0, vocab_size={vocab_size}).")
+        kept = sorted_kept_ids(kept_ids, vocab_size)
         trial = copy.copy(self.config)  # the config it will have, checked before anything changes
         trial.draft_vocab_size = kept.numel()
         trial.validate_draft()
@@ -707,6 +705,15 @@ def _weights_file(source: str, name: str) -> str:
     if (folder / "model.safetensors").is_file():
         return str(folder / "model.safetensors")
     return source
+
+
+def sorted_kept_ids(kept_ids, vocab_size: int) -> torch.Tensor:
+    """The distinct target ids `kept_ids` (any order, any iterable) sorted, as `t2d` order requires; a ValueError
+    unless they are a non-empty set within the vocabulary."""
+    kept = torch.as_tensor(kept_ids, dtype=torch.long).flatten().unique()
+    if kept.numel() == 0 or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
+        raise ValueError(f"`kept_ids` must be a non-empty set of target ids in [0, vocab_size={vocab_size}).")
+    return kept
 
 
 def vocab_maps(kept_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from ..configuration_dflash import DFlashConfig, DSparkConfig, default_target_layer_ids
 from ..configuration_dflash2 import DFlash2Config
 from ..layers_dflash import layer_attention_mask
-from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk, vocab_maps
+from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk, sorted_kept_ids, vocab_maps
 from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
 from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids
@@ -212,9 +212,7 @@ def vocabulary_copy(draft: DFlashDraftModel, kept_ids=None) -> DFlashDraftModel:
     DSpark's Markov output rows are carried over and start at zero (no bias) for newly kept ids. A draft with its own
     pruned lm_head holds rows only for the ids it kept, so it can move only within them."""
     vocab_size = draft.config.vocab_size
-    kept = torch.arange(vocab_size) if kept_ids is None else torch.as_tensor(kept_ids, dtype=torch.long).cpu().unique()
-    if kept.numel() == 0 or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
-        raise ValueError(f"`kept_ids` must be a non-empty set of target ids in [0, vocab_size={vocab_size}).")
+    kept = torch.arange(vocab_size) if kept_ids is None else sorted_kept_ids(kept_ids, vocab_size).cpu()
     old = draft.draft_to_target().cpu() if draft.config.drafts_pruned_vocab else torch.arange(vocab_size)
     old_row = torch.full((vocab_size,), -1, dtype=torch.long)
     old_row[old] = torch.arange(old.numel())
