@@ -511,6 +511,44 @@ def test_warm_start_of_a_pruned_dflash2_draft_trains_over_the_whole_vocabulary(t
         assert torch.equal(warm.state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+def test_a_warm_start_with_more_layers_drafts_as_before_and_trains_its_new_layers(toy, tmp_path, kind):
+    from dflash_hf.training.cli import depth_change, previous_training
+
+    target, records = toy
+    store = cache_features(target, records, LAYERS, tmp_path / "features")
+    extra = {"draft_vocab_size": 64, "markov_rank": 4, "enable_confidence_head": True} if kind == "dspark" else {}
+    mapping = build_vocab_mapping(store.token_counts(VOCAB), 64, [EOS]) if kind == "dspark" else None
+    draft = build_draft(target, toy_spec(kind, **extra), mapping, seed=0)
+    if kind == "dflash2":
+        shake_dflash2(draft)
+    draft.save_pretrained(tmp_path / "saved")
+
+    deeper = trainer.warm_start_draft(target, toy_spec(kind, num_layers=3, **extra), tmp_path / "saved")
+    assert len(deeper.layers) == deeper.config.num_hidden_layers == 3
+    assert deeper.config.layer_types == ["full_attention"] * 3
+    kept = deeper.state_dict()
+    for name, value in draft.state_dict().items():
+        assert torch.equal(kept[name], value), name  # every trained weight, and the pruned vocabulary
+    config = TrainConfig(max_steps=5, sequences_per_step=4, anchors_per_sequence=8, learning_rate=5e-3,
+                         eval_every=0, checkpoint_every=1000)
+    batch = step_batch(store, 0, store.split(heldout=False), config)
+    with torch.no_grad():  # the new layers add nothing yet: the same block states, so the same proposals
+        assert torch.equal(block_slot_outputs(deeper, batch).hidden, block_slot_outputs(draft, batch).hidden)
+    new_queries = [layer.self_attn.q_proj.weight.clone() for layer in deeper.layers[1:]]
+    train_loop(deeper, store, config, tmp_path / "run")
+    for layer, queries in zip(deeper.layers[1:], new_queries):
+        assert layer.self_attn.o_proj.weight.count_nonzero() > 0
+        assert layer.mlp.down_proj.weight.count_nonzero() > 0
+        assert not torch.equal(layer.self_attn.q_proj.weight, queries)
+
+    assert depth_change(previous_training(tmp_path / "saved"), 3).startswith("- Deepened from 1 to 3 layers")
+    assert depth_change(previous_training(tmp_path / "saved"), 1) == ""
+    deeper.save_pretrained(tmp_path / "deeper")
+    with pytest.raises(ValueError, match=r"num_layers \(--num-layers\) is 1, but the draft to continue has 3"):
+        trainer.warm_start_draft(target, toy_spec(kind, **extra), tmp_path / "deeper")
+
+
 def test_fit_steps_fills_the_budget_within_bounds():
     # 10 s spent, 0.5 s per step: a 1-minute budget leaves 100 more.
     assert fit_steps(25, 10.0, 0.5, 1.0, 10_000) == 125

@@ -223,7 +223,8 @@ def previous_training(path: Path) -> dict:
     summary_file = path / "training_summary.json"
     earlier = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     train = earlier.get("train", {})
-    return {"path": str(path), "steps": earlier.get("steps_run") or train.get("max_steps"),
+    layers = json.loads((path / "config.json").read_text()).get("num_hidden_layers")
+    return {"path": str(path), "num_layers": layers, "steps": earlier.get("steps_run") or train.get("max_steps"),
             "sequences_per_step": train.get("sequences_per_step"),
             "anchors_per_sequence": train.get("anchors_per_sequence"),
             "train_tokens_assistant": earlier.get("train_tokens_assistant"), "hardware": earlier.get("hardware"),
@@ -266,6 +267,16 @@ def vocabulary_change(previous: dict | None) -> str:
             "started with none).\n")
 
 
+def depth_change(previous: dict | None, num_layers: int) -> str:
+    """The card's line on layers added for this run (`--num-layers` above the continued draft's)."""
+    before = (previous or {}).get("num_layers")
+    if not before or before == num_layers:
+        return ""
+    return (f"- Deepened from {before} to {num_layers} layers for this run: the new layers started as identities "
+            "(attention output and MLP down projections at zero), so it began drafting exactly as the draft it "
+            "continued.\n")
+
+
 def save_draft(draft, out: Path, summary: dict, dtype: torch.dtype) -> None:
     """save_pretrained in `dtype` (a copy: the trained draft stays as it was), the summary, and a model card."""
     out.mkdir(parents=True, exist_ok=True)
@@ -280,6 +291,8 @@ def model_card(summary: dict, evaluation: str = "") -> str:
     """The draft's README: how it was made (the exact command), from what data, what it measured, its limits.
     `evaluation` is extra markdown (e.g. tau on evaluation prompts, measured after training)."""
     kind, heldout, data, spec = summary["kind"], summary["heldout"], summary["data"], summary["draft"]
+    previous = summary.get("init_from")
+    continued = warm_start_gain(previous) + vocabulary_change(previous) + depth_change(previous, spec["num_layers"])
     train, last = summary["train"], summary["final_train_metrics"]
     precision = "bf16 mixed precision" if train.get("mixed_precision") == "bf16" else "fp32"
     # Prompts used (fewer code tasks than asked for when the standard library has fewer docstrings).
@@ -341,7 +354,7 @@ from {vocab}.{heads}
 - Held-out tau (greedy, block {spec['block_size']}, teacher-forced on the target's own answers): {heldout['tau_decode']:.2f}
   along the greedy decode walk, {heldout['tau_anchors']:.2f} averaged over every anchor ({heldout['blocks']} blocks,
   {heldout['sequences']} sequences).
-{warm_start_gain(summary.get('init_from'))}{vocabulary_change(summary.get('init_from'))}{evaluation}
+{continued}{evaluation}
 ## Limits
 - Made for this exact target; useless with another one.
 - A small training budget ({budget}): acceptance is far below what drafts trained on

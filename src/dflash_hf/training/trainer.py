@@ -236,6 +236,31 @@ def vocabulary_copy(draft: DFlashDraftModel, kept_ids=None) -> DFlashDraftModel:
     return moved.to(draft.fc.weight.device)
 
 
+@torch.no_grad()
+def deepened_copy(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
+    """The same draft with layers appended up to `num_layers`, before it is bound to a target: each new layer's
+    attention output and MLP down projections start at zero, so it adds nothing to the residual stream and the
+    deeper draft drafts exactly as the shallow one did, while training gives the new layers capacity to learn (a
+    continued draft whose held-out tau stopped rising at its depth). New layers repeat the last layer's type."""
+    have = draft.config.num_hidden_layers
+    if num_layers < have:
+        raise ValueError(f"num_layers (--num-layers) is {num_layers}, but the draft to continue has {have} layers: a "
+                         "warm start can add layers, not drop them.")
+    config = copy.deepcopy(draft.config)
+    config.num_hidden_layers = num_layers
+    config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * (num_layers - have)
+    config.validate_draft()
+    deeper = type(draft)(config)
+    missing, unexpected = deeper.load_state_dict(draft.state_dict(), strict=False)
+    new_prefixes = tuple(f"layers.{i}." for i in range(have, num_layers))
+    if unexpected or any(not name.startswith(new_prefixes) for name in missing):
+        raise RuntimeError(f"Deepening left weights unmatched: missing {missing}, unexpected {unexpected}.")
+    for layer in deeper.layers[have:]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return deeper.to(draft.fc.weight.device)
+
+
 # Config fields that fix what a draft computes: a warm start must agree with the run's spec on every one.
 _WARM_START_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "target_layer_ids", "block_size", "mask_token_id",
@@ -247,8 +272,8 @@ _WARM_START_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hid
 def warm_start_draft(target, spec: DraftSpec, path: Path, same_vocab_size: bool = True) -> DFlashDraftModel:
     """The draft saved in `path` (weights and, for DSpark, its pruned vocabulary), to train further, e.g. a shipped
     draft continued on a larger corpus in a later session. Its config must match the draft `spec` describes (named
-    field by field), so a warm start never silently trains another shape; `same_vocab_size=False` when the caller
-    chooses its vocabulary again (`vocabulary_copy`)."""
+    field by field), so a warm start never silently trains another shape, except that `spec` may ask for more layers
+    (`deepened_copy`); `same_vocab_size=False` when the caller chooses its vocabulary again (`vocabulary_copy`)."""
     wanted = draft_config_for(target, spec)
     classes = {"dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel, "dflash": DFlashDraftModel}
     config_file = Path(path) / "config.json"
@@ -260,6 +285,8 @@ def warm_start_draft(target, spec: DraftSpec, path: Path, same_vocab_size: bool 
     draft = classes[spec.kind].from_pretrained(path, dtype=torch.float32)
     if spec.kind != "dspark" and draft.config.drafts_pruned_vocab:
         draft = vocabulary_copy(draft)  # pruned after training, so trained further over the whole vocabulary
+    if draft.config.num_hidden_layers != wanted.num_hidden_layers:
+        draft = deepened_copy(draft, wanted.num_hidden_layers)
     for name in _WARM_START_FIELDS:
         if name == "draft_vocab_size" and not same_vocab_size:
             continue
