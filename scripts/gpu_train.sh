@@ -8,6 +8,7 @@
 # shared by the kinds). MINUTES=N holds each training loop to N minutes instead of the fixed step count.
 # CORPUS=DIR trains on that `dflash-hf corpus` folder (e.g. data/smollm2-135m) instead of generating data, continuing
 # each kind's shipped draft (src/dflash_hf/drafts/smollm2-135m-<kind>) at a lower learning rate.
+# LAYERS=N gives each draft N layers; continuing a shallower shipped draft, the new layers start as identities.
 # SIZE=tiny shrinks everything, for a dry run of this script on a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,7 @@ else
 fi
 # A later flag wins: with MINUTES the step count is whatever fits the budget.
 [ -z "${MINUTES:-}" ] || steps+=(--max-steps 100000 --max-minutes "$MINUTES")
+[ -z "${LAYERS:-}" ] || steps+=(--num-layers "$LAYERS")
 for kind in "${KINDS[@]}"; do
   case "$kind" in
     dspark | dflash2) anchors=64 ;;
