@@ -414,7 +414,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--init-from", type=Path, default=None,
                         help="continue training the draft saved in this folder (e.g. a shipped one on a grown "
                              "corpus): its weights and vocabulary, a new schedule of --max-steps steps; its shape "
-                             "must match the run's")
+                             "must match the run's, except that --num-layers may add layers (they start as "
+                             "identities, so it first drafts as before)")
     parser.add_argument("--rechoose-vocab", action="store_true",
                         help="with --init-from a DSpark draft: choose its pruned vocabulary again from this run's "
                              "answers (--draft-vocab-size ids; kept ids keep their Markov rows). DFlash and DFlash 2 "
