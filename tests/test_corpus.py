@@ -410,12 +410,16 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     train = TrainConfig(max_steps=2, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100)
     common = dict(target_name="tiny", data=DataConfig(heldout_fraction=0.2), train=train, target=target,
                   tokenizer=tokenizer, corpus=tmp_path / "corpus", save_dtype=torch.float32)
-    train_draft("dspark", tmp_path / "first", spec=spec, work_dir=tmp_path / "work1", **common)
+    # One work directory for every run, as `--work-dir` is shared in practice: each run keeps its own checkpoints.
+    train_draft("dspark", tmp_path / "first", spec=spec, work_dir=tmp_path / "work", **common)
+    continued = train_draft("dspark", tmp_path / "continued", spec=spec, work_dir=tmp_path / "work",
+                            init_from=tmp_path / "first", **common)
+    assert continued["steps_run"] == 2  # trained on from "first", not resumed at the end of first's own run
     wider = replace(spec, draft_vocab_size=32)
     with pytest.raises(ValueError, match="draft_vocab_size=16, but this run's spec gives 32"):
-        train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "work2",
+        train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "work",
                     init_from=tmp_path / "first", **common)
-    summary = train_draft("dspark", tmp_path / "again", spec=wider, work_dir=tmp_path / "work3",
+    summary = train_draft("dspark", tmp_path / "again", spec=wider, work_dir=tmp_path / "work",
                           init_from=tmp_path / "first", rechoose_vocab=True, **common)
 
     records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)

@@ -5,12 +5,13 @@ kill, finishes) a whole run. Presets hold the numbers of the shipped drafts; fla
 """
 
 import copy
+import hashlib
 import json
 import logging
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -180,7 +181,10 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     if vocab_coverage is not None:
         logger.info("Draft vocabulary: %d ids cover %.4f of the assistant tokens", spec.draft_vocab_size,
                     vocab_coverage)
-    last = train_loop(draft, store, train, work_dir / f"run-{kind}")
+    run_dir = run_directory(work_dir, kind, out=out, target=target_name, corpus=corpus, init_from=init_from,
+                            rechoose_vocab=rechoose_vocab, data=data, spec=spec, train=train)
+    logger.info("Checkpoints and metrics of this run: %s", run_dir)
+    last = train_loop(draft, store, train, run_dir)
     if pruned and not pruned_in_training:  # trained over the whole vocabulary, now keeping the ids used most
         counts = store.token_counts(vocab_size)
         draft.prune_vocabulary(most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
@@ -215,6 +219,22 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     }
     save_draft(draft, Path(out), summary, save_dtype)
     return summary
+
+
+def run_directory(work_dir: Path, kind: str, *, out, init_from, **settings) -> Path:
+    """`<work_dir>/run-<kind>-<digest>`: where one run keeps its checkpoints and metrics. The digest covers what
+    defines the run (output folder, settings, and the weights of the draft it continues), so the same command resumes
+    its own run after a kill, while another run of the same kind (a new schedule, shape or warm start, or the same
+    command continuing a draft that has since changed) starts afresh instead of resuming a stranger's checkpoint."""
+    identity = {"out": str(Path(out).resolve()), "init_from": None,
+                **{k: asdict(v) if is_dataclass(v) else v for k, v in settings.items()}}
+    if init_from is not None:
+        weights = hashlib.sha256()
+        for file in sorted(Path(init_from).glob("*.safetensors")):
+            weights.update(file.read_bytes())
+        identity["init_from"] = [str(Path(init_from).resolve()), weights.hexdigest()]
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return Path(work_dir) / f"run-{kind}-{digest}"
 
 
 def previous_training(path: Path) -> dict:
@@ -391,7 +411,8 @@ _SPEC_FLAGS = {"block_size": int, "num_layers": int, "draft_vocab_size": int, "m
                "selector_rank": int, "selector_top_k": int, "conv_kernel_size": int, "conv_group_size": int}
 _TRAIN_FLAGS = {"max_steps": int, "sequences_per_step": int, "anchors_per_sequence": int, "learning_rate": float,
                 "seed": int, "eval_every": int, "checkpoint_every": int, "mixed_precision": str,
-                "max_minutes": float, "selector_weight": float}
+                "max_minutes": float, "selector_weight": float, "gamma": float, "ce_weight": float,
+                "tv_weight": float, "confidence_weight": float}
 
 
 def add_parser(subparsers) -> None:
