@@ -569,6 +569,14 @@ def test_time_budget_ends_the_run_with_the_learning_rate_at_its_floor(toy, tmp_p
     assert last["lr"] == pytest.approx(1e-4)
     assert seen[0] < seen[-2] < 1e-4  # warming up towards max_steps until the budget cut the schedule
 
+    # Run again (as after a kill between the last checkpoint and the saved draft): the checkpointed plan says the run
+    # is over, so no step is taken and it ends with the same weights and metrics.
+    again, more = build_draft(target, toy_spec(), seed=1), []
+    assert train_loop(again, store, config, tmp_path / "run", step_callback=lambda step, m: more.append(step)) == last
+    assert more == []
+    for name, value in draft.state_dict().items():
+        assert torch.equal(value, again.state_dict()[name]), name
+
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
 def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):

@@ -691,7 +691,9 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate, betas=tuple(config.adam_betas),
     )
-    plan = {"steps": config.max_steps}  # `max_minutes` may lower it once the step rate is known
+    # `max_minutes` may lower the step count once the step rate is known; the plan is checkpointed, so a resumed run
+    # keeps the schedule it was fitted to (and a finished one run again does no more steps).
+    plan = {"steps": config.max_steps, "fitted": not config.max_minutes}
 
     def lr_factor(step: int) -> float:
         warmup = max(1, int(config.warmup_ratio * plan["steps"]))
@@ -699,19 +701,20 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
-    step = 0
+    step, last = 0, {}
     existing = _checkpoints(checkpoint_dir)
     if existing:
         accelerator.load_state(str(existing[-1]))
-        step = json.loads((existing[-1] / TRAINER_STATE_FILE).read_text())["step"]
-        logger.info("Resumed from %s at step %d", existing[-1], step)
+        state = json.loads((existing[-1] / TRAINER_STATE_FILE).read_text())
+        step, last = state["step"], state.get("metrics", {})
+        plan.update(state.get("plan", {}))
+        logger.info("Resumed from %s at step %d of %d", existing[-1], step, plan["steps"])
     unwrapped = accelerator.unwrap_model(module).draft
     metrics_path = out_dir / METRICS_FILE
     heldout_sample = heldout_indices[: config.eval_sequences]
     bar = tqdm(total=config.max_steps, initial=step, desc=f"train {type(unwrapped).__name__}", unit="step",
                disable=not accelerator.is_local_main_process)
     module.train()
-    last = {}
     first_step, started = step, time.monotonic()
     while step < plan["steps"]:
         batch = step_batch(store, step, train_indices, config, accelerator.process_index,
@@ -724,10 +727,11 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
         step += 1
         if step == first_step + PROBE_WARMUP:
             probe_start = time.monotonic()
-        if config.max_minutes and step == first_step + PROBE_WARMUP + PROBE_STEPS:  # before the next rate is set
+        if not plan["fitted"] and step == first_step + PROBE_WARMUP + PROBE_STEPS:  # before the next rate is set
             now = time.monotonic()
             plan["steps"] = fit_steps(step, now - started, (now - probe_start) / PROBE_STEPS, config.max_minutes,
                                       config.max_steps)
+            plan["fitted"] = True
             bar.total = plan["steps"]
             logger.info("%.1f-minute budget: %d steps", config.max_minutes, plan["steps"])
         scheduler.step()
@@ -745,20 +749,21 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
             with metrics_path.open("a") as handle:
                 handle.write(json.dumps(last) + "\n")
         if step % config.checkpoint_every == 0 or step == plan["steps"]:
-            save_checkpoint(accelerator, checkpoint_dir, step, config.keep_checkpoints)
+            save_checkpoint(accelerator, checkpoint_dir, {"step": step, "plan": plan, "metrics": last},
+                            config.keep_checkpoints)
         if step_callback is not None:
             step_callback(step, last)
     bar.close()
     return last
 
 
-def save_checkpoint(accelerator, checkpoint_dir: Path, step: int, keep: int) -> Path:
-    """Model, optimizer, scheduler and RNG through accelerate, then the step; the step file is written last, so a
-    checkpoint cut by a kill is never picked up."""
-    path = Path(checkpoint_dir) / f"{CHECKPOINT_PREFIX}{step:07d}"
+def save_checkpoint(accelerator, checkpoint_dir: Path, state: dict, keep: int) -> Path:
+    """Model, optimizer, scheduler and RNG through accelerate, then `state` (step, plan, last metrics); the state file
+    is written last, so a checkpoint cut by a kill is never picked up."""
+    path = Path(checkpoint_dir) / f"{CHECKPOINT_PREFIX}{state['step']:07d}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
-        (path / TRAINER_STATE_FILE).write_text(json.dumps({"step": step}))
+        (path / TRAINER_STATE_FILE).write_text(json.dumps(state))
         for old in _checkpoints(Path(checkpoint_dir))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
