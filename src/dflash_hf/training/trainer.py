@@ -712,7 +712,7 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
     unwrapped = accelerator.unwrap_model(module).draft
     metrics_path = out_dir / METRICS_FILE
     heldout_sample = heldout_indices[: config.eval_sequences]
-    bar = tqdm(total=config.max_steps, initial=step, desc=f"train {type(unwrapped).__name__}", unit="step",
+    bar = tqdm(total=plan["steps"], initial=step, desc=f"train {type(unwrapped).__name__}", unit="step",
                disable=not accelerator.is_local_main_process)
     module.train()
     first_step, started = step, time.monotonic()
