@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--written-prompts", type=int, default=WRITTEN_PROMPTS,
                         help="how many questions the target writes itself first")
     defaults = GenerationConfig()
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="rows decoded at once; a row that ends is refilled with the next prompt at once")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--stats", action="store_true", help="print what the shards hold and exit")
     parser.add_argument("--count-prompts", action="store_true",

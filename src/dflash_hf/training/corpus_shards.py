@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from . import corpus
-from .data import DataConfig, batched_chat_generate, chat_ids, eos_ids, is_heldout, read_jsonl
+from .continuous_batching import continuous_generate
+from .data import DataConfig, chat_ids, eos_ids, is_heldout, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class GenerationConfig:
     batch_size: int = 32
     sample_every: int = 4
     temperature: float = 0.7
+    top_k: int = 50  # generate's default, which the shards written before continuous batching were sampled with
     top_p: float = 0.9
 
 
@@ -208,51 +210,26 @@ def prompt_ids(tokenizer, item: dict) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class GreedyRows:
-    """A logits processor that leaves only the argmax to the rows marked greedy, so one sampled batch can hold greedy
-    rows too (it runs before temperature and top-p, which keep that single token)."""
-
-    def __init__(self, greedy: list[bool]):
-        self.greedy = torch.tensor(greedy)
-
-    def __call__(self, input_ids, scores):
-        rows = self.greedy.to(scores.device)
-        best = scores.argmax(-1, keepdim=True)
-        forced = torch.full_like(scores, float("-inf")).scatter(-1, best, scores.gather(-1, best))
-        return torch.where(rows[:, None], forced, scores)
-
-
 def answer_order(items: list[dict], prompts: dict[str, list[int]], sample_every: int) -> list[dict]:
-    """`items` greedy first, then sampled, each by prompt length: batches cut from this are full (several times faster
-    per token than small ones on a CPU), little padded, and only the one at the seam mixes greedy and sampled rows
-    (a sampled batch's top-p sort and multinomial over the whole vocabulary cost a fifth of a CPU decode step)."""
+    """`items` greedy first, then sampled, each by prompt length: rows decoded side by side have prompts of similar
+    length (less padding in the cache), and only the rows around the seam run the samplers' warpers (a top-p sort
+    over the whole vocabulary costs a fifth of a CPU decode step for a batch)."""
     return sorted(items, key=lambda i: (is_sampled(i["id"], sample_every), len(prompts[i["id"]]), i["id"]))
 
 
 def answer_items(target, tokenizer, items: list[dict], config: GenerationConfig, seed: int) -> dict[str, dict]:
-    """{id: record} of the target's answers to `items`, in left-padded batches cut from `answer_order`."""
-    from transformers import LogitsProcessorList
-
+    """{id: record} of the target's answers to `items`, taken in `answer_order` by a continuously refilled batch."""
     eos = eos_ids(tokenizer, target)
     prompts = {item["id"]: prompt_ids(tokenizer, item) for item in items}
     ordered = answer_order(items, prompts, config.sample_every)
-    records = {}
-    for start in range(0, len(ordered), config.batch_size):
-        batch = ordered[start : start + config.batch_size]
-        sampled = [is_sampled(i["id"], config.sample_every) for i in batch]
-        kwargs = dict(do_sample=False)
-        if any(sampled):
-            kwargs = dict(do_sample=True, temperature=config.temperature, top_p=config.top_p,
-                          logits_processor=LogitsProcessorList([GreedyRows([not s for s in sampled])]))
-        torch.manual_seed(seed + start)
-        outputs = batched_chat_generate(target, tokenizer, [i["messages"] for i in batch], config.max_new_tokens,
-                                        **kwargs)
-        for item, was_sampled, (ids, answer, _) in zip(batch, sampled, outputs):
-            records[item["id"]] = {"id": item["id"], "source": item["source"],
-                                   "prompt_ids": None if item["mined"] else ids, "prompt_crc": ids_crc(ids),
-                                   "answer_ids": answer, "sampled": was_sampled,
-                                   "finished": bool(answer and answer[-1] in eos)}
-    return records
+    sampled = [is_sampled(i["id"], config.sample_every) for i in ordered]
+    answers = continuous_generate(target, [prompts[i["id"]] for i in ordered], config.max_new_tokens, eos,
+                                  config.batch_size, sampled, config.temperature, config.top_k, config.top_p, seed)
+    return {item["id"]: {"id": item["id"], "source": item["source"],
+                         "prompt_ids": None if item["mined"] else prompts[item["id"]],
+                         "prompt_crc": ids_crc(prompts[item["id"]]), "answer_ids": answer, "sampled": was_sampled,
+                         "finished": bool(answer and answer[-1] in eos)}
+            for item, was_sampled, answer in zip(ordered, sampled, answers)}
 
 
 def shard_schedule(parts=BASE_PARTS) -> list[tuple[str, int]]:
