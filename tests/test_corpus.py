@@ -436,3 +436,40 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     out = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=draft)
     assert out.tolist() == expected.tolist()
+
+
+def test_a_resumed_run_keeps_the_shards_it_started_with(tiny_pair, tmp_path):
+    """The corpus grows between sessions; the same `train` command run again resumes its run on the shards that run
+    started with (a replay, not a run whose data changed under its checkpoint), while a new run takes every shard."""
+    from dflash_hf.training.cli import RUN_SHARDS_FILE, train_draft
+    from dflash_hf.training.data import DataConfig
+
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(40)]
+
+    def grow(count):
+        shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=8),
+                               written_prompts=0, parts=("topics",),
+                               corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics[:count]}))
+        return len(shards.shard_paths(tmp_path / "corpus"))
+
+    spec = DraftSpec(kind="dflash", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
+                     target_layer_ids=[1, 2])
+    train = TrainConfig(max_steps=2, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=1)
+    common = dict(target_name="tiny", data=DataConfig(heldout_fraction=0.2), spec=spec, train=train, target=target,
+                  tokenizer=tokenizer, corpus=tmp_path / "corpus", work_dir=tmp_path / "work", save_dtype=torch.float32)
+    before = grow(12)
+    first = train_draft("dflash", tmp_path / "draft", **common)
+    assert first["corpus_shards"] == {"used": before, "total": before} and first["steps_run"] == 2
+    after = grow(40)
+    assert after > before
+    again = train_draft("dflash", tmp_path / "draft", **common)  # the same command: its finished run, resumed
+    assert again["corpus_shards"] == {"used": before, "total": after}
+    assert again["final_train_metrics"] == first["final_train_metrics"]
+    [run_dir] = (tmp_path / "work").glob("run-dflash-*")
+    assert len(json.loads((run_dir / RUN_SHARDS_FILE).read_text())) == before
+    fresh = train_draft("dflash", tmp_path / "other", **common)
+    assert fresh["corpus_shards"] == {"used": after, "total": after}
+    (run_dir / RUN_SHARDS_FILE).write_text(json.dumps(["topics-0999"]))
+    with pytest.raises(ValueError, match="topics-0999"):
+        train_draft("dflash", tmp_path / "draft", **common)

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WORK_ROOT = Path.home() / ".cache" / "dflash-hf" / "train"
 EMBEDDED_TARGET = "embedded:smollm2-135m"
+RUN_SHARDS_FILE = "corpus_shards.json"  # in a run's directory: the corpus shards it trains on
 
 
 @dataclass
@@ -131,6 +132,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     if target is None:
         target, tokenizer = load_target(target_name)
     layer_ids = draft_config_for(target, spec).target_layer_ids
+    run_dir = run_directory(work_dir, kind, out=out, target=target_name, corpus=corpus, init_from=init_from,
+                            rechoose_vocab=rechoose_vocab, data=data, spec=spec, train=train)
     # Features come from the generation pass itself unless they must be recomputed online (big targets).
     if corpus is not None:
         records = load_corpus_records(corpus, tokenizer, data.heldout_fraction)
@@ -143,7 +146,13 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     if online_features:
         store = OnlineFeatures(target, records, layer_ids)
     elif corpus is not None:  # the corpus grows between sessions: a cache per shard, computed once
-        store = cache_features_by_shard(target, records, layer_ids, work_dir / f"{cache_name}-corpus", feature_minutes)
+        # A resumed run keeps the shards it started with, though the corpus or the cache has grown since.
+        pinned = run_dir / RUN_SHARDS_FILE
+        shards = json.loads(pinned.read_text()) if pinned.is_file() else None
+        store = cache_features_by_shard(target, records, layer_ids, work_dir / f"{cache_name}-corpus", feature_minutes,
+                                        shards=shards)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        pinned.write_text(json.dumps(store.names))
     elif captured:
         store = ShardedFeatures(records, work_dir / "data" / "features")
     else:
@@ -181,8 +190,6 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     if vocab_coverage is not None:
         logger.info("Draft vocabulary: %d ids cover %.4f of the assistant tokens", spec.draft_vocab_size,
                     vocab_coverage)
-    run_dir = run_directory(work_dir, kind, out=out, target=target_name, corpus=corpus, init_from=init_from,
-                            rechoose_vocab=rechoose_vocab, data=data, spec=spec, train=train)
     logger.info("Checkpoints and metrics of this run: %s", run_dir)
     last = train_loop(draft, store, train, run_dir)
     if pruned and not pruned_in_training:  # trained over the whole vocabulary, now keeping the ids used most

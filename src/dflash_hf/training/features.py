@@ -232,15 +232,23 @@ def shard_folders(groups: dict[str, list[dict]], root: Path) -> dict[str, Path]:
 
 
 def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], root: Path,
-                            max_minutes: float | None = None, poll_seconds: float = 5.0) -> "ChainedFeatures":
+                            max_minutes: float | None = None, poll_seconds: float = 5.0,
+                            shards: list[str] | None = None) -> "ChainedFeatures":
     """`cache_features` one corpus shard at a time (records carry their `shard`), each in its own folder under `root`.
 
     A grown corpus then only computes its new shards, and `train` runs sharing `root` (one per draft kind, a core
     each) split the shards between them through a lock per folder. With `max_minutes`, shards not cached by then are
     left out of this run; shards go in a fixed shuffled order, so a partial cache is a fair sample of the corpus.
+    `shards`: exactly these and no others, whatever the budget (a resumed run keeps the data it started with).
     """
-    deadline = time.time() + 60 * max_minutes if max_minutes is not None else None
+    deadline = time.time() + 60 * max_minutes if max_minutes is not None and shards is None else None
     groups = by_shard(records)
+    if shards is not None:
+        missing = sorted(set(shards) - set(groups))
+        if missing:
+            raise ValueError(f"This run trained on corpus shards that are gone or no longer readable: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}; restore them or start a new run.")
+        groups = {name: groups[name] for name in shards}
     folders = shard_folders(groups, root)
     order = sorted(groups, key=lambda name: (zlib.crc32(name.encode()), name))
 
@@ -266,13 +274,15 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
     if len(done) < len(order):
         logger.warning("Training on the %d of %d shards whose features are cached (%s minutes for features).",
                        len(done), len(order), max_minutes)
-    return ChainedFeatures([FeatureStore(folders[name]) for name in done])
+    return ChainedFeatures([FeatureStore(folders[name]) for name in done], names=done)
 
 
 class ChainedFeatures:
-    """Several `FeatureStore`s read as one: index i runs through them in order."""
+    """Several `FeatureStore`s read as one: index i runs through them in order (`names`: the corpus shards they
+    hold, where they are ones)."""
 
-    def __init__(self, stores: list[FeatureStore]):
+    def __init__(self, stores: list[FeatureStore], names: list[str] | None = None):
+        self.names = names
         layer_sets = {tuple(store.layer_ids) for store in stores}
         if len(layer_sets) != 1:
             raise ValueError(f"Feature stores read different target layers: {sorted(layer_sets)}.")
