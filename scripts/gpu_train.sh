@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
-SITE=/tmp/dflash-site
+SITE="${SITE:-/tmp/dflash-site}"  # where --setup installs the wheels and the target
 if [ "${1:-}" = --setup ]; then
   if compgen -G ".device/one/wheels/*.whl" > /dev/null && [ ! -e "$SITE/.wheels" ]; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
