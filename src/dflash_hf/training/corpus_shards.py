@@ -359,7 +359,7 @@ def export_corpus(directory: Path, out: Path, tokenizer, corpus_obj: Corpus | No
     packages (a lent GPU) trains on every record. The copy holds the packages' text: never commit it."""
     out = Path(out)
     if out.resolve() == Path(directory).resolve():
-        raise ValueError("export: the copy must go to another folder than the corpus it copies.")
+        raise ValueError(f"export (--export): {out} is the corpus itself; the copy must go to another folder.")
     complete = shards_with_prompts(directory, tokenizer, corpus_obj)
     for path, meta, records in complete:
         write_shard(out / "shards" / path.name, records, {**meta, "exported_from": str(directory)})
