@@ -8,6 +8,7 @@
 # shared by the kinds). MINUTES=N holds each training loop to N minutes instead of the fixed step count.
 # CORPUS=DIR trains on that `dflash-hf corpus` folder (e.g. data/smollm2-135m) instead of generating data, continuing
 # each kind's shipped draft (src/dflash_hf/drafts/smollm2-135m-<kind>) at a lower learning rate.
+# SEQS=N trains on N sequences a step instead of 16 (a launch-bound GPU step costs about the same for 64).
 # LAYERS=N gives each draft N layers; continuing a shallower shipped draft, the new layers start as identities.
 # ONLINE=1 computes target features at each step instead of caching them first: for a run that sees each sequence
 # about once (a corpus in minutes of a GPU), it skips a pass over the data and tens of GB of cache.
@@ -47,6 +48,7 @@ else
 fi
 # A later flag wins: with MINUTES the step count is whatever fits the budget.
 [ -z "${MINUTES:-}" ] || steps+=(--max-steps 100000 --max-minutes "$MINUTES")
+[ -z "${SEQS:-}" ] || steps+=(--sequences-per-step "$SEQS")
 [ -z "${LAYERS:-}" ] || steps+=(--num-layers "$LAYERS")
 [ -z "${ONLINE:-}" ] || steps+=(--online-features)
 if [ -n "${PACK_TO:-}" ]; then mkdir -p "$PACK_TO" && exec > >(tee "$PACK_TO/train.log") 2>&1; fi
