@@ -308,6 +308,44 @@ def test_sharded_features_equal_the_cached_ones(toy, tmp_path):
     assert torch.equal(cached.token_counts(VOCAB), online.token_counts(VOCAB))
 
 
+def test_online_features_of_a_step_come_from_one_padded_forward(toy):
+    """Right-padded together, each sequence gets the features it gets alone (to float32 rounding), in one forward."""
+    target, records = toy
+    # Lengths 48, 43, ..., 23: the padding is exercised.
+    picked = [{**r, "input_ids": r["input_ids"][: 48 - 5 * i], "loss_mask": r["loss_mask"][: 48 - 5 * i]}
+              for i, r in enumerate(records[:6])]
+    online = OnlineFeatures(target, picked, LAYERS)
+    forwards = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(1), with_kwargs=True)
+    try:
+        together = online.sequences(list(range(6)))
+        batch = trainer.step_batch(online, 0, list(range(6)), TrainConfig(sequences_per_step=4))
+    finally:
+        hook.remove()
+    assert len(forwards) == 2 and batch.tokens.shape[0] == 4  # one forward each for the call and the training step
+    for i, item in enumerate(together):
+        alone = online.sequence(i)
+        assert torch.equal(item["tokens"], alone["tokens"]) and torch.equal(item["loss_mask"], alone["loss_mask"])
+        for name in ("context", "final", "lse"):
+            assert item[name].shape == alone[name].shape, name
+            torch.testing.assert_close(item[name], alone[name], rtol=1e-4, atol=1e-4)
+
+
+def test_training_loads_the_target_with_plain_attention_and_generation_with_row_exact(tmp_path):
+    """Row-exact attention keeps bf16 verification lossless; training verifies nothing and would pay a kernel launch
+    per row and layer for it (on an H200 a whole 10-minute run went to it)."""
+    from tiny_pair import save_tiny_pair
+
+    from dflash_hf import EXACT_ATTENTION
+    from dflash_hf.defaults import load_target as load_for_generation
+    from dflash_hf.training.cli import load_target as load_for_training
+
+    folder = str(save_tiny_pair(tmp_path)[0])
+    assert load_for_generation(folder, "bfloat16")[0].config._attn_implementation == EXACT_ATTENTION
+    assert load_for_training(folder, "bfloat16")[0].config._attn_implementation == "sdpa"
+    assert load_for_training(folder, "float32")[0].config._attn_implementation == "sdpa"
+
+
 def test_features_cached_by_shard_compute_each_shard_once_and_wait_for_a_locked_one(toy, tmp_path):
     """The corpus cache: a grown corpus computes only its new shards, a shard another run holds is waited for (not
     computed twice), and with a time budget only the cached shards are read."""

@@ -53,18 +53,21 @@ def resolve_dtype(dtype: "str | torch.dtype" = "auto", device: str = "cpu") -> t
     return torch.float32
 
 
-def load_target(name: str | None = None, dtype: "str | torch.dtype" = "auto", device: str = "cpu"):
+def load_target(name: str | None = None, dtype: "str | torch.dtype" = "auto", device: str = "cpu",
+                row_exact: bool = True):
     """(model, tokenizer): the embedded SmolLM2-135M-Instruct (`name` None) or a Hub id / folder.
 
     In reduced precision the target gets row-exact attention (see `exact_attention`) so that greedy speculative
-    decoding stays token-for-token identical to the target alone; float32 keeps transformers' SDPA.
+    decoding stays token-for-token identical to the target alone; float32 keeps transformers' SDPA. `row_exact=False`
+    keeps SDPA in every dtype: for training, which verifies nothing, and where one attention call per row and layer
+    would cost a kernel launch each on a GPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .exact_attention import EXACT_ATTENTION
 
     dtype = resolve_dtype(dtype, device)
-    attn = EXACT_ATTENTION if dtype != torch.float32 else None
+    attn = EXACT_ATTENTION if row_exact and dtype != torch.float32 else None
     if name is None:
         folder, extra = smollm2_dir(), {"gguf_file": SMOLLM2_GGUF}
     else:

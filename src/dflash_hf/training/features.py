@@ -43,22 +43,40 @@ class TargetFeatures:
     lse: torch.Tensor  # [T] logsumexp of the full logits
 
 
-@torch.no_grad()
 def target_features(target, input_ids: torch.Tensor, layer_ids: list[int]) -> TargetFeatures:
     """One target forward on `input_ids` [T]; a hook on the lm_head takes exactly what the head sees."""
+    return batch_target_features(target, [input_ids], layer_ids)[0]
+
+
+@torch.no_grad()
+def batch_target_features(target, sequences: list[torch.Tensor], layer_ids: list[int]) -> list[TargetFeatures]:
+    """`target_features` of several sequences in one forward, right-padded (a GPU runs a tiny target's forward in
+    about the time of its kernel launches, so one forward for a training step's sequences instead of one each)."""
     captured = {}
     head = target.get_output_embeddings()
 
     def grab(module, args):
         captured["final"] = args[0]
 
+    lengths = [int(ids.shape[0]) for ids in sequences]
+    input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : lengths[row]] = ids
+    mask = None
+    if len(set(lengths)) > 1:
+        mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long().to(target.device)
     handle = head.register_forward_pre_hook(grab)
     try:
-        out = target(input_ids=input_ids[None].to(target.device), output_hidden_states=True, use_cache=False)
+        out = target(input_ids=input_ids.to(target.device), attention_mask=mask, output_hidden_states=True,
+                     use_cache=False)
     finally:
         handle.remove()
-    context = torch.cat([out.hidden_states[t + 1][0] for t in layer_ids], dim=-1).float()
-    return TargetFeatures(context.cpu(), captured["final"][0].float().cpu(), out.logits[0].float().logsumexp(-1).cpu())
+    features = []
+    for row, n in enumerate(lengths):
+        context = torch.cat([out.hidden_states[t + 1][row, :n] for t in layer_ids], dim=-1).float()
+        features.append(TargetFeatures(context.cpu(), captured["final"][row, :n].float().cpu(),
+                                       out.logits[row, :n].float().logsumexp(-1).cpu()))
+    return features
 
 
 def teacher_logits(head_weight: torch.Tensor, head_bias: torch.Tensor | None, final: torch.Tensor) -> torch.Tensor:
@@ -350,11 +368,16 @@ class OnlineFeatures(RecordFeatures):
         self.target = target
 
     def sequence(self, index: int) -> dict:
-        record = self.records[index]
-        tokens = torch.tensor(record["input_ids"], dtype=torch.long)
-        features = target_features(self.target, tokens, self._layer_ids)
-        return {"tokens": tokens, "loss_mask": torch.tensor(record["loss_mask"], dtype=torch.bool),
-                "context": features.context, "final": features.final, "lse": features.lse}
+        return self.sequences([index])[0]
+
+    def sequences(self, indices: list[int]) -> list[dict]:
+        """Several sequences from one padded target forward (a training step's worth)."""
+        records = [self.records[index] for index in indices]
+        tokens = [torch.tensor(record["input_ids"], dtype=torch.long) for record in records]
+        features = batch_target_features(self.target, tokens, self._layer_ids)
+        return [{"tokens": ids, "loss_mask": torch.tensor(record["loss_mask"], dtype=torch.bool),
+                 "context": f.context, "final": f.final, "lse": f.lse}
+                for ids, record, f in zip(tokens, records, features)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

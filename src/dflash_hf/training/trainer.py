@@ -401,7 +401,8 @@ def step_sequences(step: int, train_indices: list[int], per_step: int, seed: int
 def step_batch(store, step: int, train_indices: list[int], config: TrainConfig, rank: int = 0,
                world_size: int = 1) -> BlockBatch:
     indices = step_sequences(step, train_indices, config.sequences_per_step, config.seed, rank, world_size)
-    items = [store.sequence(i) for i in indices]
+    # Online features come from one target forward for the step's sequences; stores on disk read them one by one.
+    items = store.sequences(indices) if hasattr(store, "sequences") else [store.sequence(i) for i in indices]
     anchors = []
     for j, item in enumerate(items):
         generator = torch.Generator().manual_seed((config.seed * _SEED_STRIDE + step) * _SEED_STRIDE + j
