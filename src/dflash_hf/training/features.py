@@ -360,6 +360,13 @@ class RecordFeatures:
         return counts
 
 
+def read_sequences(store, indices: list[int]) -> list[dict]:
+    """`store.sequence` of each index; an online store computes them in one target forward."""
+    if isinstance(store, OnlineFeatures):
+        return store.sequences(indices)
+    return [store.sequence(i) for i in indices]
+
+
 class OnlineFeatures(RecordFeatures):
     """Features computed on demand, for targets whose states are too big to cache."""
 

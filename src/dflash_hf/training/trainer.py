@@ -32,6 +32,7 @@ from ..configuration_dflash2 import DFlash2Config
 from ..layers_dflash import layer_attention_mask
 from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk, sorted_kept_ids, vocab_maps
 from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
+from .features import read_sequences
 from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids
 
@@ -44,6 +45,7 @@ METRICS_FILE = "metrics.jsonl"
 # ranks are offset by a prime so no two processes draw the same anchors.
 _SEED_STRIDE = 1_000_003
 _RANK_STRIDE = 997
+EVAL_READ = 16  # held-out sequences read at once (online: one target forward for them)
 
 
 @dataclass
@@ -401,8 +403,7 @@ def step_sequences(step: int, train_indices: list[int], per_step: int, seed: int
 def step_batch(store, step: int, train_indices: list[int], config: TrainConfig, rank: int = 0,
                world_size: int = 1) -> BlockBatch:
     indices = step_sequences(step, train_indices, config.sequences_per_step, config.seed, rank, world_size)
-    # Online features come from one target forward for the step's sequences; stores on disk read them one by one.
-    items = store.sequences(indices) if hasattr(store, "sequences") else [store.sequence(i) for i in indices]
+    items = read_sequences(store, indices)
     anchors = []
     for j, item in enumerate(items):
         generator = torch.Generator().manual_seed((config.seed * _SEED_STRIDE + step) * _SEED_STRIDE + j
@@ -594,8 +595,9 @@ def heldout_tau(draft: DFlashDraftModel, store, indices: list[int], anchor_chunk
     was_training = draft.training
     draft.eval()
     anchor_taus, walks = [], []
-    for index in indices:
-        item = store.sequence(index)
+    items = (item for start in range(0, len(indices), EVAL_READ) for item in
+             read_sequences(store, indices[start : start + EVAL_READ]))
+    for item in items:
         anchors = valid_anchor_positions(item["loss_mask"])
         if anchors.numel() == 0:
             continue
