@@ -395,6 +395,9 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     assert saved["kind"] == kind and saved["corpus_shards"]["used"] == saved["corpus_shards"]["total"] >= 1
     assert "shards: those whose" not in model_card(saved)  # every shard used: nothing to say
     assert "Trained on 1 of the corpus's 3 shards" in model_card({**saved, "corpus_shards": {"used": 1, "total": 3}})
+    assert saved["heldout"]["blocks"] > 0 and "Held-out tau (greedy" in model_card(saved)
+    unmeasured = model_card({**saved, "heldout": {**saved["heldout"], "blocks": 0, "sequences": 0}})
+    assert "Held-out tau: not measured" in unmeasured and "Held-out tau (greedy" not in unmeasured
     assert not (tmp_path / "work" / "data").exists()  # nothing generated besides the corpus
     with pytest.raises(ValueError, match="feature_minutes"):  # a budget for corpus features, without a corpus
         train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(), spec=spec, train=train,

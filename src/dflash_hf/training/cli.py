@@ -306,6 +306,15 @@ def depth_change(previous: dict | None, num_layers: int) -> str:
             "continued.\n")
 
 
+def heldout_line(heldout: dict, block_size: int) -> str:
+    """The card's held-out tau, or why there is none (a corpus slice without held-out answers measures nothing)."""
+    if not heldout["blocks"]:
+        return "- Held-out tau: not measured (the data this run read holds no held-out answer long enough for a block)."
+    return (f"- Held-out tau (greedy, block {block_size}, teacher-forced on the target's own answers): "
+            f"{heldout['tau_decode']:.2f}\n  along the greedy decode walk, {heldout['tau_anchors']:.2f} averaged over "
+            f"every anchor ({heldout['blocks']} blocks,\n  {heldout['sequences']} sequences).")
+
+
 def save_draft(draft, out: Path, summary: dict, dtype: torch.dtype) -> None:
     """save_pretrained in `dtype` (a copy: the trained draft stays as it was), the summary, and a model card."""
     out.mkdir(parents=True, exist_ok=True)
@@ -380,9 +389,7 @@ from {vocab}.{heads}
 {training_history(summary.get('init_from'))}
 ## Measured
 - Final training loss {last.get('loss', float('nan')):.3f}.
-- Held-out tau (greedy, block {spec['block_size']}, teacher-forced on the target's own answers): {heldout['tau_decode']:.2f}
-  along the greedy decode walk, {heldout['tau_anchors']:.2f} averaged over every anchor ({heldout['blocks']} blocks,
-  {heldout['sequences']} sequences).
+{heldout_line(heldout, spec['block_size'])}
 {continued}{evaluation}
 ## Limits
 - Made for this exact target; useless with another one.
@@ -525,6 +532,7 @@ def run(args) -> int:
             rechoose_vocab=args.rechoose_vocab,
         )
         heldout = summary["heldout"]
-        print(f"{kind}: held-out tau {heldout['tau_decode']:.2f} (decode walk), {heldout['tau_anchors']:.2f} "
-              f"(all anchors); saved to {out}")
+        measured = (f"held-out tau {heldout['tau_decode']:.2f} (decode walk), {heldout['tau_anchors']:.2f} (all anchors)"
+                    if heldout["blocks"] else "no held-out answer to measure")
+        print(f"{kind}: {measured}; saved to {out}")
     return 0
