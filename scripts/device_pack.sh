@@ -23,11 +23,9 @@ SLIM=(docs data src/dflash_hf/drafts)
 
 case "${1:-}" in
   pack)  # the wheels: what the GGUF target needs beyond the device image's own packages
-    wheels=(transformers==5.24.0 kernels==0.17.2 "gguf==$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("gguf"))')")
     grep -qxF '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
     rm -rf .device && mkdir -p .device/one .device/two
-    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device/one/wheels "${wheels[@]}"
+    PYTHON="$PYTHON" scripts/device_wheels.sh .device/one/wheels transformers kernels gguf
     gguf=$("$PYTHON" -c 'from dflash_hf.defaults import SMOLLM2_GGUF, smollm2_dir; print(smollm2_dir() / SMOLLM2_GGUF)')
     # Halves of 47 MiB: one rides with the 15 MiB of wheels, the other with the ~10 MiB corpus.
     split -n 2 -d "$gguf" .device/target.part-

@@ -6,17 +6,15 @@
 #   SIZE=tiny scripts/gpu_bench.sh [OUT_DIR]   a toy pair in float32 on the CPU, in seconds (the suite runs this)
 #   scripts/gpu_bench.sh --wheels              here, before a lent-GPU run: the wheels its image lacks, into .whl/
 # OUT_DIR defaults to $OUT (the lent machine's result folder), else out/gpu_bench. On the lent machine, carry .whl:
-# its wheels (transformers 5.24, kernels 0.17, z-lab's dflash 0.1.0) are installed into /tmp/dflash-site first.
+# its wheels (transformers, kernels and z-lab's dflash at this venv's versions) are installed into /tmp/dflash-site first.
 # CHECK_KERNELS=1 runs scripts/gpu_check.sh's kernel check first (its table into OUT_DIR/gpu_check.txt): one device
 # call for both, e.g. the device tool's run(command="CHECK_KERNELS=1 scripts/gpu_bench.sh", carry=[".whl"]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(transformers==5.24.0 kernels==0.17.2 dflash==0.1.0)
 
 if [ "${1:-}" = --wheels ]; then
   grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-  exec "${PYTHON:-.venv/bin/python}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+  exec scripts/device_wheels.sh .whl transformers kernels dflash
 fi
 
 PYTHON="${PYTHON:-.venv/bin/python}"
