@@ -232,6 +232,8 @@ def test_exports_that_cannot_hold_it_are_refused(kind, to, message, tmp_path):
 
 def test_prune_vocab_command_keeps_eos_and_the_most_frequent_answer_ids(tmp_path, capsys):
     target_dir, draft_dir = save_tiny_pair(tmp_path, kind="dflash2")
+    stored = load_draft(draft_dir).to(torch.bfloat16)  # as drafts ship: pruning must not double the file to float32
+    export_draft(stored, draft_dir, "hf", overwrite=True)
     tokenizer = char_tokenizer()
     # Answers over 15 letters, letter i written i + 1 times; EOS (id 2) ends only the one answer.
     letters = tokenizer.convert_tokens_to_ids(list("abcdefghijklmno"))
@@ -247,6 +249,7 @@ def test_prune_vocab_command_keeps_eos_and_the_most_frequent_answer_ids(tmp_path
     assert report["coverage"] == pytest.approx((sum(range(9, 16)) + 1) / (len(answer) + 1), abs=1e-4)
     pruned = load_draft(tmp_path / "pruned")
     assert pruned.config.draft_vocab_size == 8
+    assert pruned.fc.weight.dtype == torch.bfloat16 and torch.equal(pruned.fc.weight, stored.fc.weight)
     assert pruned.t2d.nonzero()[:, 0].tolist() == sorted([2] + kept_letters)
     auto = AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True)  # as a Hub user loads it
     assert type(auto).__name__ == "DFlash2DraftModel" and torch.equal(auto.t2d, pruned.t2d)

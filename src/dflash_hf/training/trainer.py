@@ -235,7 +235,7 @@ def vocabulary_copy(draft: DFlashDraftModel, kept_ids=None) -> DFlashDraftModel:
     moved.load_state_dict(state)
     if config.drafts_pruned_vocab:
         moved.set_vocab_mapping(*vocab_maps(kept, vocab_size))
-    return moved.to(draft.fc.weight.device)
+    return moved.to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype)  # bf16 stays bf16
 
 
 @torch.no_grad()
