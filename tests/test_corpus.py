@@ -1,5 +1,6 @@
 """The self-distillation corpus: prompt building, the evaluation-overlap guard, answer shards, resume, training on them."""
 
+import copy
 import importlib.util
 import json
 from dataclasses import replace
@@ -399,6 +400,13 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     unmeasured = model_card({**saved, "heldout": {**saved["heldout"], "blocks": 0, "sequences": 0}})
     assert "Held-out tau: not measured" in unmeasured and "Held-out tau (greedy" not in unmeasured
     assert not (tmp_path / "work" / "data").exists()  # nothing generated besides the corpus
+    # The states depend on the target's dtype, so a bfloat16 target computes its own cache beside the float32 one's.
+    half = train_draft(kind, tmp_path / "half", target_name="tiny", data=DataConfig(heldout_fraction=0.2), spec=spec,
+                       train=train, work_dir=tmp_path / "work", target=copy.deepcopy(target).to(torch.bfloat16),
+                       tokenizer=tokenizer, corpus=tmp_path / "corpus", save_dtype=torch.float32)
+    caches = sorted(path.name for path in (tmp_path / "work").glob("features-*"))
+    assert caches == ["features-1-2-bfloat16-corpus", "features-1-2-float32-corpus"]
+    assert half["target_dtype"] == "bfloat16" and half["train_sequences"] == summary["train_sequences"]
     with pytest.raises(ValueError, match="feature_minutes"):  # a budget for corpus features, without a corpus
         train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(), spec=spec, train=train,
                     work_dir=tmp_path / "work", target=target, tokenizer=tokenizer, feature_minutes=1.0)
@@ -414,6 +422,27 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     out = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, assistant_model=draft)
     assert out.tolist() == expected.tolist()
+
+
+def test_train_eval_caches_the_answers_of_each_target_dtype_apart(tiny_pair, tmp_path):
+    """`train-eval --cache-dir`: the target's answers and states are kept per dtype (a bfloat16 target's differ from
+    a float32 one's), and a second call with the same target reads its file back to the same tau."""
+    from tiny import random_dspark
+
+    from dflash_hf.training.evaluate import prompt_set_tau
+
+    target, tokenizer = tiny_pair
+    draft = random_dspark(target, block_size=4)
+    prompts = ["Say something about 3.", "Say something about 5."]
+    evaluate = dict(prompts=prompts, max_new_tokens=8, cache_dir=tmp_path, dataset="evalset")
+    first = prompt_set_tau({"d": draft}, target, tokenizer, **evaluate)
+    prompt_set_tau({"d": draft}, copy.deepcopy(target).to(torch.bfloat16), tokenizer, **evaluate)
+    layers = "-".join(map(str, draft.config.target_layer_ids))
+    names = [f"evalset-2p-8t-layers{layers}-{dtype}.pt" for dtype in ("bfloat16", "float32")]
+    assert sorted(path.name for path in tmp_path.iterdir()) == names
+    half, full = (torch.load(tmp_path / name)["items"][0]["context"] for name in names)
+    assert not torch.equal(half, full)
+    assert prompt_set_tau({"d": draft}, target, tokenizer, **evaluate) == first
 
 
 def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_path):

@@ -54,7 +54,7 @@ def answer_with_features(target, tokenizer, prompts: list[str], layer_ids: list[
 def cached_answers(cache: Path | None, target, tokenizer, prompts: list[str], layer_ids: list[int],
                    max_new_tokens: int, batch_size: int) -> MemoryFeatures:
     """`answer_with_features`, kept in `cache` (a .pt file) when given: answering is the slow part, and it depends
-    only on the target, the prompts and the layers, not on the drafts being compared."""
+    only on the target (and its dtype), the prompts and the layers, not on the drafts being compared."""
     if cache is not None and Path(cache).exists():
         saved = torch.load(cache)
         if saved["prompts"] == prompts and saved["layer_ids"] == list(layer_ids) and \
@@ -69,8 +69,10 @@ def cached_answers(cache: Path | None, target, tokenizer, prompts: list[str], la
     return store
 
 
-def cache_name(dataset: str, num_prompts: int, max_new_tokens: int, layer_ids) -> str:
-    return f"{Path(dataset).stem}-{num_prompts}p-{max_new_tokens}t-layers{'-'.join(map(str, layer_ids))}.pt"
+def cache_name(dataset: str, num_prompts: int, max_new_tokens: int, layer_ids, dtype: torch.dtype) -> str:
+    """The answers and states depend on the target's dtype too: a float32 and a bfloat16 target get their own file."""
+    layers, dtype_name = "-".join(map(str, layer_ids)), str(dtype).removeprefix("torch.")
+    return f"{Path(dataset).stem}-{num_prompts}p-{max_new_tokens}t-layers{layers}-{dtype_name}.pt"
 
 
 def prompt_set_tau(drafts: dict, target, tokenizer, prompts: list[str], max_new_tokens: int = 128,
@@ -82,7 +84,8 @@ def prompt_set_tau(drafts: dict, target, tokenizer, prompts: list[str], max_new_
         by_layers.setdefault(tuple(draft.config.target_layer_ids), []).append(name)
     results = {}
     for layer_ids, names in by_layers.items():
-        cache = Path(cache_dir) / cache_name(dataset, len(prompts), max_new_tokens, layer_ids) if cache_dir else None
+        file = cache_name(dataset, len(prompts), max_new_tokens, layer_ids, target.dtype)
+        cache = Path(cache_dir) / file if cache_dir else None
         store = cached_answers(cache, target, tokenizer, prompts, list(layer_ids), max_new_tokens, batch_size)
         for name in names:
             results[name] = heldout_tau(drafts[name], store, store.split(heldout=True))
