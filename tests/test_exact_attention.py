@@ -1,5 +1,7 @@
 """Row-exact attention: in bfloat16 a verify block must score its tokens with the bits of one-token decodes."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,13 +58,15 @@ def matmuls_are_row_invariant(target, max_rows: int = EXACT_VERIFY_ROWS) -> bool
 
 def block_and_stepwise_logits(target, ids: torch.Tensor, prefix: int):
     """Logits of ids[prefix:] scored as one block after a prefill, and one token at a time after the same prefill."""
+    # transformers 5.24 renames the forward's `past_key_values` to `cache` (the old name warns until 5.40).
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = DynamicCache(config=target.config)
-        target(ids[:, :prefix], past_key_values=cache)
-        block = target(ids[:, prefix:], past_key_values=cache).logits[0]
+        target(ids[:, :prefix], **{name: cache})
+        block = target(ids[:, prefix:], **{name: cache}).logits[0]
         cache = DynamicCache(config=target.config)
-        target(ids[:, :prefix], past_key_values=cache)
-        steps = [target(ids[:, i : i + 1], past_key_values=cache).logits[0, 0] for i in range(prefix, ids.shape[1])]
+        target(ids[:, :prefix], **{name: cache})
+        steps = [target(ids[:, i : i + 1], **{name: cache}).logits[0, 0] for i in range(prefix, ids.shape[1])]
     return block, torch.stack(steps)
 
 
