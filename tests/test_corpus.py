@@ -391,7 +391,8 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
                           corpus=tmp_path / "corpus", save_dtype=torch.float32)
     assert summary["train_sequences"] + summary["heldout_sequences"] == 24
     assert summary["corpus"] == str(tmp_path / "corpus") and summary["steps_run"] == 3
-    assert "self-distilled corpus" in (tmp_path / "draft" / "README.md").read_text()
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "self-distilled corpus" in card and "states it learned from were computed in\n  float32." in card
     saved = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
     assert saved["kind"] == kind and saved["corpus_shards"]["used"] == saved["corpus_shards"]["total"] >= 1
     assert "shards: those whose" not in model_card(saved)  # every shard used: nothing to say
@@ -407,6 +408,7 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     caches = sorted(path.name for path in (tmp_path / "work").glob("features-*"))
     assert caches == ["features-1-2-bfloat16-corpus", "features-1-2-float32-corpus"]
     assert half["target_dtype"] == "bfloat16" and half["train_sequences"] == summary["train_sequences"]
+    assert "computed in\n  bfloat16." in (tmp_path / "half" / "README.md").read_text()
     with pytest.raises(ValueError, match="feature_minutes"):  # a budget for corpus features, without a corpus
         train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(), spec=spec, train=train,
                     work_dir=tmp_path / "work", target=target, tokenizer=tokenizer, feature_minutes=1.0)

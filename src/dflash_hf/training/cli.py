@@ -358,7 +358,8 @@ def model_card(summary: dict, evaluation: str = "") -> str:
   went in): {prompts['code']} answers to prompts mined from installed Python packages' docstrings, code and comments
   and {prompts['topic']} to topic templates, the target's own questions and follow-ups, rewrites and summaries of
   earlier answers, all answered by the target with its chat template (mostly greedy, some sampled). No MT-Bench or
-  HumanEval prompt was used (a test checks for overlap)."""
+  HumanEval prompt was used (a test checks for overlap). The target states it learned from were computed in
+  {summary.get('target_dtype', 'float32')}."""
         shards = summary.get("corpus_shards") or {}
         if shards and shards["used"] < shards["total"]:
             data_line += f"""
