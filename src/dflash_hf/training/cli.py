@@ -89,7 +89,9 @@ PRESETS = {
 
 def load_target(name: str, dtype: "str | torch.dtype" = "auto", device: str = "cpu"):
     """(model, tokenizer): the embedded SmolLM2 (GGUF, offline) or any Hub id / folder, in `dtype` (`auto`: bfloat16
-    where the hardware has fast bf16 matmuls). Train on the dtype you will serve in: the draft learns its states.
+    where the hardware has fast bf16 matmuls). The draft learns the states of this dtype: serve in it, or in one whose
+    states are close (bfloat16 states, three times cheaper than float32 on an AVX512-BF16 CPU, are within 1% of them,
+    and the drafts trained on them serve float32 as well: docs/training_history.md, the eighth runs).
     Attention is plain SDPA: training verifies nothing, so row-exact attention would only cost time (on an H200 a
     bf16 run spent its whole 10 minutes in it before the first step)."""
     from ..defaults import load_target as load
@@ -119,9 +121,10 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     """Run the whole pipeline for one draft and save it with `save_pretrained` (plus a model card) into `out`.
 
     `target`/`tokenizer` may be passed in to skip loading; `work_dir` holds the data, the feature cache (shared by
-    every draft reading the same layers) and the checkpoints of this draft. `corpus`: train on the answer shards of
-    that folder (`dflash-hf corpus`) instead of generating data; their features are computed here. `init_from`: a
-    saved draft of the same shape to continue from (a new schedule over `train.max_steps` more steps);
+    every draft reading the same layers of a target in the same dtype) and the checkpoints of this draft. `corpus`:
+    train on the answer shards of that folder (`dflash-hf corpus`) instead of generating data; their features are
+    computed here. `init_from`: a saved draft of the same shape to continue from (a new schedule over
+    `train.max_steps` more steps);
     `rechoose_vocab`: a DSpark one's pruned vocabulary is chosen again from this data (`spec.draft_vocab_size` ids),
     as DFlash and DFlash 2 drafts' always is.
     `feature_minutes`: with `corpus`, compute features of uncached shards for at most this long, then train on the
