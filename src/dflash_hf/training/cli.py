@@ -147,8 +147,9 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     else:
         records = build_dataset(target, tokenizer, data, work_dir / "data", None if online_features else layer_ids)
     captured = all(r.get("features", {}).get("layer_ids") == list(layer_ids) for r in records)
+    target_dtype = str(target.dtype).removeprefix("torch.")
     # States depend on the target's dtype: caches of a float32 and a bfloat16 target must never mix.
-    cache_name = "features-" + "-".join(map(str, layer_ids)) + "-" + str(target.dtype).removeprefix("torch.")
+    cache_name = "features-" + "-".join(map(str, layer_ids)) + "-" + target_dtype
     if online_features:
         store = OnlineFeatures(target, records, layer_ids)
     elif corpus is not None:  # the corpus grows between sessions: a cache per shard, computed once
@@ -209,7 +210,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     summary = {
         "kind": kind,
         "target": target_name,
-        "target_dtype": str(target.dtype).removeprefix("torch."),
+        "target_dtype": target_dtype,
         "command": command,
         "corpus": str(corpus) if corpus is not None else None,
         "corpus_shards": ({"used": len(store.stores), "total": len({r["shard"] for r in records})}
