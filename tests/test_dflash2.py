@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, LogitsProcesso
 from dflash_hf import DFlash2Config, DFlash2DraftModel, DFlashConfig, DFlashContextCache, DFlashDraftModel
 from dflash_hf.kernels import reference_ops
 from dflash_hf.modeling_dflash2 import grouped_dynamic_conv, selector_walk
+from sampling_check import ALPHA, PROMPT, RUNS, SAMPLE_VOCAB, SAMPLING, chi_square_p_value, exact_pair_distribution
 from tiny import draft_fields, make_successor_target, random_dflash2, tiny_target
 
 H, HT, VOCAB = 32, 24, 50
@@ -577,12 +578,6 @@ def test_transformers_builtin_dflash_path_runs_a_dflash2_draft():
 # Generation: sampling keeps the target's distribution
 # ---------------------------------------------------------------------------------------------------------------------
 
-SAMPLE_VOCAB = 6
-SAMPLING = dict(do_sample=True, temperature=0.6, top_k=4, repetition_penalty=1.3)
-PROMPT = [1, 3, 2]
-RUNS = 1000
-
-
 @functools.cache
 def sampling_pair(kept_ids: tuple | None = None):
     torch.manual_seed(3)
@@ -597,28 +592,6 @@ def sampling_pair(kept_ids: tuple | None = None):
     return target, draft
 
 
-def exact_pair_distribution(target, prompt):
-    """P(t2, t3) of the target alone under SAMPLING (t1 marginalised), from its logits and the same processors."""
-    from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
-
-    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
-                                      TemperatureLogitsWarper(SAMPLING["temperature"]),
-                                      TopKLogitsWarper(SAMPLING["top_k"])])
-
-    def next_probs(seq):
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            return processors(ids, target(ids).logits[:, -1].float()).softmax(-1)[0].double()
-
-    joint = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, dtype=torch.float64)
-    p1 = next_probs(prompt)
-    for t1 in p1.nonzero()[:, 0].tolist():
-        p2 = next_probs(prompt + [t1])
-        for t2 in p2.nonzero()[:, 0].tolist():
-            joint[t2] += p1[t1] * p2[t2] * next_probs(prompt + [t1, t2])
-    return joint.flatten()
-
-
 def sampled_pair_counts(target, draft):
     counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
     accepted = 0
@@ -631,24 +604,13 @@ def sampled_pair_counts(target, draft):
     return counts, accepted
 
 
-def chi_square_p_value(counts, probs):
-    """Pearson chi-square goodness of fit, cells expecting fewer than 5 pooled."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = expected > 0
-    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64), stat / 2))
-
-
 @pytest.mark.parametrize("kept_ids", [None, (0, 2, 3, 5)], ids=["full", "pruned"])
 def test_sampling_matches_the_target_distribution(kept_ids):
     """Pruned: the candidates are the top 3 of the 4 kept ids, mapped to target ids before the codebooks."""
     target, draft = sampling_pair(kept_ids)
     counts, accepted = sampled_pair_counts(target, draft)
     assert accepted > RUNS // 4  # rejection sampling really accepted proposals
-    assert chi_square_p_value(counts, exact_pair_distribution(target, PROMPT)) > 1e-3
+    assert chi_square_p_value(counts, exact_pair_distribution(target, PROMPT)) > ALPHA
 
 
 def test_sampling_negative_control_fails(monkeypatch):
@@ -665,4 +627,4 @@ def test_sampling_negative_control_fails(monkeypatch):
 
     monkeypatch.setattr(draft, "propose", wrong_q)
     counts, _ = sampled_pair_counts(target, draft)
-    assert chi_square_p_value(counts, exact_pair_distribution(target, PROMPT)) < 1e-3
+    assert chi_square_p_value(counts, exact_pair_distribution(target, PROMPT)) < ALPHA

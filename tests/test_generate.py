@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_hf import DFlashContextCache
+from sampling_check import ALPHA, PROMPT, RUNS, SAMPLE_VOCAB, SAMPLING, chi_square_p_value, exact_pair_distribution
 from tiny import make_successor_target, oracle_dspark, random_dflash, random_dspark, tiny_target
 
 SMALL_VOCAB = 16  # small enough that random drafts are sometimes right, so accepted runs really happen
@@ -145,8 +146,6 @@ def test_context_fed_incrementally_equals_recomputed_from_scratch():
 
 # -- sampling ------------------------------------------------------------------------------------------------------
 
-SAMPLE_VOCAB = 6
-
 
 def _sampling_pair(kept_ids=None):
     torch.manual_seed(3)
@@ -158,35 +157,6 @@ def _sampling_pair(kept_ids=None):
     if kept_ids is not None:
         draft.prune_vocabulary(kept_ids)
     return target, draft
-
-
-SAMPLING = dict(do_sample=True, temperature=0.6, top_k=4, repetition_penalty=1.3)
-
-
-def exact_pair_distribution(target, prompt):
-    """P(t2, t3) of the target alone under SAMPLING (t1 marginalised), from its logits and the same processors."""
-    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
-
-    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
-                                      TemperatureLogitsWarper(SAMPLING["temperature"]), TopKLogitsWarper(SAMPLING["top_k"])])
-
-    def next_probs(seq):
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            logits = target(ids).logits[:, -1].float()
-        return processors(ids, logits).softmax(-1)[0]
-
-    joint = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, dtype=torch.float64)
-    p1 = next_probs(prompt)
-    for t1 in range(SAMPLE_VOCAB):
-        if p1[t1] == 0:
-            continue
-        p2 = next_probs(prompt + [t1])
-        for t2 in range(SAMPLE_VOCAB):
-            if p2[t2] == 0:
-                continue
-            joint[t2] += p1[t1] * p2[t2] * next_probs(prompt + [t1, t2]).double()
-    return joint.flatten()
 
 
 def sampled_pair_counts(target, draft, prompt, runs, seed=0, policy="fixed"):
@@ -201,20 +171,6 @@ def sampled_pair_counts(target, draft, prompt, runs, seed=0, policy="fixed"):
     return counts
 
 
-def chi_square_p_value(counts, probs):
-    """Pearson chi-square goodness of fit, cells with small expectation pooled."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = expected > 0
-    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
-
-
-RUNS = 1000
-PROMPT = [1, 3, 2]
 # Whatever token follows it, the prompt's last 2-gram [3, t] occurred before for most t: the first step looks up.
 REPEATING_PROMPT = [3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3]
 
@@ -225,7 +181,7 @@ def test_sampling_matches_the_target_distribution(policy):
     probs = exact_pair_distribution(target, PROMPT)
     counts = sampled_pair_counts(target, draft, PROMPT, RUNS, policy=policy)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
-    assert chi_square_p_value(counts, probs) > 1e-3
+    assert chi_square_p_value(counts, probs) > ALPHA
 
 
 def test_sampling_with_a_pruned_vocabulary_matches_the_target_distribution():
@@ -234,7 +190,7 @@ def test_sampling_with_a_pruned_vocabulary_matches_the_target_distribution():
     probs = exact_pair_distribution(target, PROMPT)
     counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
-    assert chi_square_p_value(counts, probs) > 1e-3
+    assert chi_square_p_value(counts, probs) > ALPHA
 
 
 def test_sampling_with_prompt_lookup_matches_the_target_distribution():
@@ -251,7 +207,7 @@ def test_sampling_with_prompt_lookup_matches_the_target_distribution():
         counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
         lookup_steps += sum(draft.generation_stats["looked_up"])
     assert lookup_steps >= RUNS // 2  # most runs' first step looked up
-    assert chi_square_p_value(counts, probs) > 1e-3
+    assert chi_square_p_value(counts, probs) > ALPHA
 
 
 def test_sampling_negative_control_fails(monkeypatch):
@@ -268,7 +224,7 @@ def test_sampling_negative_control_fails(monkeypatch):
     monkeypatch.setattr(draft, "propose", wrong_q)
     probs = exact_pair_distribution(target, PROMPT)
     counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
-    assert chi_square_p_value(counts, probs) < 1e-3
+    assert chi_square_p_value(counts, probs) < ALPHA
 
 
 # -- bookkeeping, streaming, errors --------------------------------------------------------------------------------
