@@ -468,9 +468,11 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
                   tokenizer=tokenizer, corpus=tmp_path / "corpus", save_dtype=torch.float32)
     # One work directory for every run, as `--work-dir` is shared in practice: each run keeps its own checkpoints.
     train_draft("dspark", tmp_path / "first", spec=spec, work_dir=tmp_path / "work", **common)
+    # `--final-eval-sequences 1`: the held-out tau before and after reads the same one answer, not all of them.
     continued = train_draft("dspark", tmp_path / "continued", spec=spec, work_dir=tmp_path / "work",
-                            init_from=tmp_path / "first", **common)
+                            init_from=tmp_path / "first", **{**common, "train": replace(train, final_eval_sequences=1)})
     assert continued["steps_run"] == 2  # trained on from "first", not resumed at the end of first's own run
+    assert continued["heldout"]["sequences"] == continued["init_from"]["heldout_here"]["sequences"] == 1
     wider = replace(spec, draft_vocab_size=32)
     with pytest.raises(ValueError, match="draft_vocab_size=16, but this run's spec gives 32"):
         train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "work",
@@ -484,6 +486,7 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     first = AutoModel.from_pretrained(tmp_path / "first")
     draft = AutoModel.from_pretrained(tmp_path / "again")
     assert draft.t2d.nonzero().flatten().tolist() == kept.tolist()
+    assert summary["heldout"]["sequences"] == summary["heldout_sequences"] > 1  # by default, every held-out answer
     before = summary["init_from"]["vocab_here"]
     assert before == {"draft_vocab_size": 16, "coverage": pytest.approx(float(counts[first.t2d].sum() / counts.sum()))}
     assert summary["draft_vocab_coverage"] == pytest.approx(float(counts[kept].sum() / counts.sum()))

@@ -169,11 +169,12 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     pruned_in_training = pruned and spec.kind == "dspark"  # DFlash and DFlash 2 are pruned after training
     keep_eos = eos_ids(tokenizer, target)
     vocab_coverage, previous = None, None
+    measured = store.split(heldout=True)[: train.final_eval_sequences or None]  # the same answers before and after
     if init_from is not None:  # its weights and vocabulary, as trained
         draft = warm_start_draft(target, spec, init_from, same_vocab_size=not rechoose_vocab)
         previous = previous_training(Path(init_from))
         # What it reaches on this data before any step here, for the card beside what it reaches after.
-        previous["heldout_here"] = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
+        previous["heldout_here"] = heldout_tau(draft, store, measured, train.eval_anchor_chunk)
         logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
         if pruned_in_training:
             counts = store.token_counts(vocab_size)
@@ -204,7 +205,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         draft.prune_vocabulary(most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
         vocab_coverage = coverage(counts, draft.t2d.cpu())
         logger.info("Pruned to %d ids covering %.4f of the assistant tokens", spec.draft_vocab_size, vocab_coverage)
-    heldout = heldout_tau(draft, store, store.split(heldout=True), train.eval_anchor_chunk)
+    heldout = heldout_tau(draft, store, measured, train.eval_anchor_chunk)
     code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
     logger.info("Held-out tau (teacher-forced, greedy): %s", heldout)
     summary = {
@@ -432,9 +433,9 @@ _DATA_FLAGS = {"num_topic_prompts": int, "num_code_prompts": int, "max_new_token
 _SPEC_FLAGS = {"block_size": int, "num_layers": int, "draft_vocab_size": int, "markov_rank": int,
                "selector_rank": int, "selector_top_k": int, "conv_kernel_size": int, "conv_group_size": int}
 _TRAIN_FLAGS = {"max_steps": int, "sequences_per_step": int, "anchors_per_sequence": int, "learning_rate": float,
-                "seed": int, "eval_every": int, "checkpoint_every": int, "mixed_precision": str,
-                "max_minutes": float, "selector_weight": float, "gamma": float, "ce_weight": float,
-                "tv_weight": float, "confidence_weight": float}
+                "seed": int, "eval_every": int, "final_eval_sequences": int, "checkpoint_every": int,
+                "mixed_precision": str, "max_minutes": float, "selector_weight": float, "gamma": float,
+                "ce_weight": float, "tv_weight": float, "confidence_weight": float}
 
 
 def add_parser(subparsers) -> None:

@@ -99,7 +99,10 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 200
-    eval_sequences: int = 8  # held-out sequences for the periodic tau; the final one uses them all
+    eval_sequences: int = 8  # held-out sequences for the periodic tau
+    # Held-out sequences for the tau before and after a run (the card's); 0: all. A corpus of 700 held-out answers
+    # costs 5-15 minutes of one CPU core per pass.
+    final_eval_sequences: int = 0
     eval_anchor_chunk: int = 64  # anchors per draft forward during evaluation (bounds memory)
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
