@@ -10,7 +10,8 @@ seeds of 1,000 draws).
 """
 
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import (GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper)
 
 SAMPLE_VOCAB = 6
 SAMPLING = dict(do_sample=True, temperature=0.6, top_k=4, repetition_penalty=1.3)
@@ -37,6 +38,21 @@ def exact_pair_distribution(target, prompt):
         for t2 in p2.nonzero()[:, 0].tolist():
             joint[t2] += p1[t1] * p2[t2] * next_probs(prompt + [t1, t2])
     return joint.flatten()
+
+
+def sampled_pair_counts(target, draft, prompt=PROMPT, runs=RUNS, policy="fixed"):
+    """(counts of (t2, t3) over `runs` speculative generations of 4 tokens under SAMPLING, proposals accepted)."""
+    counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
+    ids = torch.tensor([prompt])
+    accepted = 0
+    torch.manual_seed(0)
+    config = GenerationConfig(dflash_policy=policy)
+    for _ in range(runs):
+        out = target.generate(ids, max_new_tokens=4, assistant_model=draft, generation_config=config,
+                              **SAMPLING)[0, len(prompt):]
+        counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
+        accepted += draft.generation_stats["accepted_tokens"]
+    return counts, accepted
 
 
 def chi_square_p_value(counts, probs):

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, LogitsProcesso
 from dflash_hf import DFlash2Config, DFlash2DraftModel, DFlashConfig, DFlashContextCache, DFlashDraftModel
 from dflash_hf.kernels import reference_ops
 from dflash_hf.modeling_dflash2 import grouped_dynamic_conv, selector_walk
-from sampling_check import ALPHA, PROMPT, RUNS, SAMPLE_VOCAB, SAMPLING, chi_square_p_value, exact_pair_distribution
+from sampling_check import (ALPHA, PROMPT, RUNS, SAMPLE_VOCAB, chi_square_p_value, exact_pair_distribution,
+                            sampled_pair_counts)
 from tiny import draft_fields, make_successor_target, random_dflash2, tiny_target
 
 H, HT, VOCAB = 32, 24, 50
@@ -590,18 +591,6 @@ def sampling_pair(kept_ids: tuple | None = None):
     if kept_ids is not None:
         draft.prune_vocabulary(kept_ids)
     return target, draft
-
-
-def sampled_pair_counts(target, draft):
-    counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
-    accepted = 0
-    torch.manual_seed(0)
-    for _ in range(RUNS):
-        out = target.generate(torch.tensor([PROMPT]), max_new_tokens=4, assistant_model=draft,
-                              generation_config=POLICY["fixed"], **SAMPLING)
-        counts[out[0, len(PROMPT) + 1] * SAMPLE_VOCAB + out[0, len(PROMPT) + 2]] += 1
-        accepted += draft.generation_stats["accepted_tokens"]
-    return counts, accepted
 
 
 @pytest.mark.parametrize("kept_ids", [None, (0, 2, 3, 5)], ids=["full", "pruned"])

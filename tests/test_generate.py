@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_hf import DFlashContextCache
-from sampling_check import ALPHA, PROMPT, RUNS, SAMPLE_VOCAB, SAMPLING, chi_square_p_value, exact_pair_distribution
+from sampling_check import (ALPHA, PROMPT, RUNS, SAMPLE_VOCAB, SAMPLING, chi_square_p_value, exact_pair_distribution,
+                            sampled_pair_counts)
 from tiny import make_successor_target, oracle_dspark, random_dflash, random_dspark, tiny_target
 
 SMALL_VOCAB = 16  # small enough that random drafts are sometimes right, so accepted runs really happen
@@ -159,18 +160,6 @@ def _sampling_pair(kept_ids=None):
     return target, draft
 
 
-def sampled_pair_counts(target, draft, prompt, runs, seed=0, policy="fixed"):
-    counts = torch.zeros(SAMPLE_VOCAB * SAMPLE_VOCAB, dtype=torch.float64)
-    ids = torch.tensor([prompt])
-    torch.manual_seed(seed)
-    config = GenerationConfig(dflash_policy=policy)
-    for _ in range(runs):
-        out = target.generate(ids, max_new_tokens=4, assistant_model=draft, generation_config=config,
-                              **SAMPLING)[0, len(prompt):]
-        counts[out[1] * SAMPLE_VOCAB + out[2]] += 1
-    return counts
-
-
 # Whatever token follows it, the prompt's last 2-gram [3, t] occurred before for most t: the first step looks up.
 REPEATING_PROMPT = [3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3]
 
@@ -179,7 +168,7 @@ REPEATING_PROMPT = [3, 0, 3, 1, 3, 2, 3, 4, 3, 5, 3]
 def test_sampling_matches_the_target_distribution(policy):
     target, draft = _sampling_pair()
     probs = exact_pair_distribution(target, PROMPT)
-    counts = sampled_pair_counts(target, draft, PROMPT, RUNS, policy=policy)
+    counts, _ = sampled_pair_counts(target, draft, policy=policy)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
     assert chi_square_p_value(counts, probs) > ALPHA
 
@@ -188,7 +177,7 @@ def test_sampling_with_a_pruned_vocabulary_matches_the_target_distribution():
     """q is zero on the ids the draft cannot propose (2 and 4, which the target samples often): still exact."""
     target, draft = _sampling_pair(kept_ids=[0, 1, 3, 5])
     probs = exact_pair_distribution(target, PROMPT)
-    counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
+    counts, _ = sampled_pair_counts(target, draft)
     assert sum(draft.generation_stats["acceptance_lengths"]) > 0
     assert chi_square_p_value(counts, probs) > ALPHA
 
@@ -223,7 +212,7 @@ def test_sampling_negative_control_fails(monkeypatch):
 
     monkeypatch.setattr(draft, "propose", wrong_q)
     probs = exact_pair_distribution(target, PROMPT)
-    counts = sampled_pair_counts(target, draft, PROMPT, RUNS)
+    counts, _ = sampled_pair_counts(target, draft)
     assert chi_square_p_value(counts, probs) < ALPHA
 
 
