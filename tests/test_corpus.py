@@ -497,6 +497,39 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     assert out.tolist() == expected.tolist()
 
 
+def test_a_continued_dflash2_draft_is_measured_before_and_after_with_the_vocabulary_it_ends_with(tiny_pair, tmp_path):
+    """A DFlash 2 draft trains over the whole vocabulary and is pruned at the end; continued, it trains over the whole
+    vocabulary again. Its card's "before" must be the draft as shipped (pruned to the same ids), not its unpruned
+    warm start, or pruning is counted as training's loss. Here "before" equals what the first run measured at its end
+    on the same answers, while the unpruned warm start measures otherwise."""
+    from dflash_hf.training.cli import train_draft
+    from dflash_hf.training.data import DataConfig
+    from dflash_hf.training.features import OnlineFeatures
+    from dflash_hf.training.trainer import heldout_tau, warm_start_draft
+
+    target, tokenizer = tiny_pair
+    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(16)]
+    shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=16),
+                           written_prompts=0, parts=("topics",),
+                           corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics}))
+    spec = DraftSpec(kind="dflash2", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
+                     target_layer_ids=[1, 2], draft_vocab_size=6, selector_top_k=4)
+    train = TrainConfig(max_steps=20, sequences_per_step=2, anchors_per_sequence=4, eval_every=0,
+                        checkpoint_every=100, learning_rate=3e-3)
+    common = dict(spec=spec, target_name="tiny", data=DataConfig(heldout_fraction=0.2), target=target,
+                  tokenizer=tokenizer, corpus=tmp_path / "corpus", save_dtype=torch.float32,
+                  work_dir=tmp_path / "work")
+    first = train_draft("dflash2", tmp_path / "first", train=train, **common)
+    continued = train_draft("dflash2", tmp_path / "continued", init_from=tmp_path / "first",
+                            train=replace(train, max_steps=1), **common)
+    assert continued["init_from"]["heldout_here"] == first["heldout"]
+
+    records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)
+    store = OnlineFeatures(target, records, [1, 2])
+    unpruned = heldout_tau(warm_start_draft(target, spec, tmp_path / "first"), store, store.split(heldout=True))
+    assert unpruned != first["heldout"]  # so the check above tells the two apart
+
+
 def test_a_resumed_run_keeps_the_shards_it_started_with(tiny_pair, tmp_path):
     """The corpus grows between sessions; the same `train` command run again resumes its run on the shards that run
     started with (a replay, not a run whose data changed under its checkpoint), while a new run takes every shard."""

@@ -168,13 +168,22 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     pruned = bool(spec.draft_vocab_size and spec.draft_vocab_size < vocab_size)
     pruned_in_training = pruned and spec.kind == "dspark"  # DFlash and DFlash 2 are pruned after training
     keep_eos = eos_ids(tokenizer, target)
+    # DFlash and DFlash 2 train over the whole vocabulary and keep these ids (the answers' most frequent) at the end.
+    final_ids = (most_frequent_ids(store.token_counts(vocab_size), spec.draft_vocab_size, always_keep=keep_eos)
+                 if pruned and not pruned_in_training else None)
     vocab_coverage, previous = None, None
     measured = store.split(heldout=True)[: train.final_eval_sequences or None]  # the same answers before and after
     if init_from is not None:  # its weights and vocabulary, as trained
         draft = warm_start_draft(target, spec, init_from, same_vocab_size=not rechoose_vocab)
         previous = previous_training(Path(init_from))
-        # What it reaches on this data before any step here, for the card beside what it reaches after.
-        previous["heldout_here"] = heldout_tau(draft, store, measured, train.eval_anchor_chunk)
+        # What it reaches on this data before any step here, for the card beside what it reaches after: with the
+        # vocabulary the run ends with, so that pruning is not counted as a loss or a gain of training.
+        as_final = draft
+        if final_ids is not None:
+            as_final = vocabulary_copy(draft, final_ids)
+            as_final.bind_target(target)
+        previous["heldout_here"] = heldout_tau(as_final, store, measured, train.eval_anchor_chunk)
+        del as_final
         logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
         if pruned_in_training:
             counts = store.token_counts(vocab_size)
@@ -200,10 +209,9 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
                     vocab_coverage)
     logger.info("Checkpoints and metrics of this run: %s", run_dir)
     last = train_loop(draft, store, train, run_dir)
-    if pruned and not pruned_in_training:  # trained over the whole vocabulary, now keeping the ids used most
-        counts = store.token_counts(vocab_size)
-        draft.prune_vocabulary(most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
-        vocab_coverage = coverage(counts, draft.t2d.cpu())
+    if final_ids is not None:  # trained over the whole vocabulary, now keeping the ids used most
+        draft.prune_vocabulary(final_ids)
+        vocab_coverage = coverage(store.token_counts(vocab_size), draft.t2d.cpu())
         logger.info("Pruned to %d ids covering %.4f of the assistant tokens", spec.draft_vocab_size, vocab_coverage)
     heldout = heldout_tau(draft, store, measured, train.eval_anchor_chunk)
     code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
