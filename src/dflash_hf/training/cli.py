@@ -168,8 +168,9 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     pruned = bool(spec.draft_vocab_size and spec.draft_vocab_size < vocab_size)
     pruned_in_training = pruned and spec.kind == "dspark"  # DFlash and DFlash 2 are pruned after training
     keep_eos = eos_ids(tokenizer, target)
+    counts = store.token_counts(vocab_size)  # of the training answers' tokens: ids and masks only, cheap
     # DFlash and DFlash 2 train over the whole vocabulary and keep these ids (the answers' most frequent) at the end.
-    final_ids = (most_frequent_ids(store.token_counts(vocab_size), spec.draft_vocab_size, always_keep=keep_eos)
+    final_ids = (most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos)
                  if pruned and not pruned_in_training else None)
     vocab_coverage, previous = None, None
     measured = store.split(heldout=True)[: train.final_eval_sequences or None]  # the same answers before and after
@@ -186,7 +187,6 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         del as_final
         logger.info("Held-out tau before continuing: %s", previous["heldout_here"])
         if pruned_in_training:
-            counts = store.token_counts(vocab_size)
             vocab_coverage = coverage(counts, draft.t2d.cpu())
             if rechoose_vocab:
                 previous["vocab_here"] = {"draft_vocab_size": draft.config.draft_vocab_size, "coverage": vocab_coverage}
@@ -198,7 +198,6 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     else:
         mapping = None
         if pruned_in_training:
-            counts = store.token_counts(vocab_size)
             mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=keep_eos)
             vocab_coverage = coverage(counts, mapping[1])
         draft = build_draft(target, spec, mapping, seed=train.seed)
@@ -211,7 +210,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     last = train_loop(draft, store, train, run_dir)
     if final_ids is not None:  # trained over the whole vocabulary, now keeping the ids used most
         draft.prune_vocabulary(final_ids)
-        vocab_coverage = coverage(store.token_counts(vocab_size), draft.t2d.cpu())
+        vocab_coverage = coverage(counts, draft.t2d.cpu())
         logger.info("Pruned to %d ids covering %.4f of the assistant tokens", spec.draft_vocab_size, vocab_coverage)
     heldout = heldout_tau(draft, store, measured, train.eval_anchor_chunk)
     code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
@@ -227,7 +226,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         "prompts": {"code": code_prompts, "topic": len(records) - code_prompts},
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
-        "train_tokens_assistant": int(store.token_counts(vocab_size).sum()),
+        "train_tokens_assistant": int(counts.sum()),
         "draft_vocab_coverage": vocab_coverage,
         "final_train_metrics": last,
         "heldout": heldout,
