@@ -75,6 +75,14 @@ def prefilled_corpus(directory, parts: dict) -> shards.Corpus:
     return built
 
 
+def answered_topics(target, tokenizer, directory):
+    """A corpus of 16 topic prompts the target answered (16 new tokens each), for the training runs below."""
+    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(16)]
+    shards.generate_corpus(target, tokenizer, directory, shards.GenerationConfig(max_new_tokens=16),
+                           written_prompts=0, parts=("topics",),
+                           corpus_obj=prefilled_corpus(directory, {"topics": topics}))
+
+
 def item(item_id, text, mined=False):
     return {"id": item_id, "source": item_id.split(":")[0], "function": None, "mined": mined,
             "messages": corpus.user(text)}
@@ -457,10 +465,7 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     from dflash_hf.training.data import DataConfig
 
     target, tokenizer = tiny_pair
-    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(16)]
-    shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=16),
-                           written_prompts=0, parts=("topics",),
-                           corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics}))
+    answered_topics(target, tokenizer, tmp_path / "corpus")
     spec = DraftSpec(kind="dspark", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
                      target_layer_ids=[1, 2], draft_vocab_size=16, markov_rank=4)
     train = TrainConfig(max_steps=2, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100)
@@ -508,10 +513,7 @@ def test_a_continued_dflash2_draft_is_measured_before_and_after_with_the_vocabul
     from dflash_hf.training.trainer import heldout_tau, warm_start_draft
 
     target, tokenizer = tiny_pair
-    topics = [item(f"topic:t{n}:0", f"Say something about {n}.") for n in range(16)]
-    shards.generate_corpus(target, tokenizer, tmp_path / "corpus", shards.GenerationConfig(max_new_tokens=16),
-                           written_prompts=0, parts=("topics",),
-                           corpus_obj=prefilled_corpus(tmp_path / "corpus", {"topics": topics}))
+    answered_topics(target, tokenizer, tmp_path / "corpus")
     spec = DraftSpec(kind="dflash2", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
                      target_layer_ids=[1, 2], draft_vocab_size=6, selector_top_k=4)
     train = TrainConfig(max_steps=20, sequences_per_step=2, anchors_per_sequence=4, eval_every=0,
