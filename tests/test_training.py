@@ -12,11 +12,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from filelock import FileLock
 from transformers import GenerationConfig
 from tiny import EOS, VOCAB, tiny_target
 
 from dflash_hf import DFlash2DraftModel, DFlashContextCache
+from dflash_hf.cli import main as cli_main
 from dflash_hf.modeling_dflash import check_vocab_mapping
 from dflash_hf.training import features, trainer
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
@@ -30,6 +32,7 @@ from dflash_hf.training.features import (
     cache_features_by_shard,
     shard_folders,
     target_features,
+    teacher_logits,
     write_feature_shard,
 )
 from dflash_hf.training.losses import (
@@ -226,6 +229,18 @@ def test_dspark_loss_hand_computed():
     loss, parts = dspark_loss(draft_logits, labels, teacher_kept, lse, confidence, weights)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert parts["ce"].item() == pytest.approx(ce, rel=1e-6)
+
+
+def test_teacher_logits_stay_float32_under_bf16_autocast():
+    # Under `--mixed-precision bf16` every matmul is autocast; the teacher's logits must not be, or the TV loss would
+    # set bf16-rounded logits (about 0.1 off at this magnitude) against the float32 logsumexp.
+    generator = torch.Generator().manual_seed(0)
+    head, final = torch.randn(64, 32, generator=generator), 4 * torch.randn(10, 32, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = teacher_logits(head, final)
+        rounded = final @ head.T
+    assert logits.dtype == torch.float32 and torch.equal(logits, final @ head.T)
+    assert rounded.dtype == torch.bfloat16 and not torch.equal(rounded.float(), logits)  # what autocast would give
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -616,9 +631,17 @@ def test_time_budget_ends_the_run_with_the_learning_rate_at_its_floor(toy, tmp_p
         assert torch.equal(value, again.state_dict()[name]), name
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
-def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
+def test_train_names_a_mixed_precision_it_does_not_know(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # before any target is loaded
+        cli_main(["train", "--out", str(tmp_path), "--mixed-precision", "bfloat16"])
+    assert "--mixed-precision: invalid choice: 'bfloat16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind,precision", [("dflash", "no"), ("dspark", "no"), ("dflash2", "no"), ("dspark", "bf16")])
+def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind, precision, monkeypatch):
     target, records = toy
+    if precision != "no":  # accelerate keeps one precision per process: this test's own, the others' back after it
+        monkeypatch.setattr(AcceleratorState, "_shared_state", {})
     store = cache_features(target, records, LAYERS, tmp_path / "features")
     mapping = build_vocab_mapping(store.token_counts(VOCAB), 64, [EOS]) if kind == "dspark" else None
     spec = toy_spec(kind, draft_vocab_size=64 if kind == "dspark" else None, markov_rank=8,
@@ -627,7 +650,7 @@ def test_tiny_end_to_end_lowers_loss_and_raises_tau(toy, tmp_path, kind):
     heldout = store.split(heldout=True)
     before = heldout_tau(draft, store, heldout)
     config = TrainConfig(max_steps=250, sequences_per_step=4, anchors_per_sequence=16, learning_rate=5e-3,
-                         eval_every=0, checkpoint_every=1000, warmup_ratio=0.02)
+                         eval_every=0, checkpoint_every=1000, warmup_ratio=0.02, mixed_precision=precision)
     metrics = []
     train_loop(draft, store, config, tmp_path / "run", step_callback=lambda step, m: metrics.append(m))
     losses = [m["loss"] for m in metrics]

@@ -79,10 +79,12 @@ def batch_target_features(target, sequences: list[torch.Tensor], layer_ids: list
     return features
 
 
-def teacher_logits(head_weight: torch.Tensor, head_bias: torch.Tensor | None, final: torch.Tensor) -> torch.Tensor:
-    """The target's logits over the rows of `head_weight` (all of them, or a pruned subset) from its lm_head input."""
-    logits = final.to(head_weight.dtype) @ head_weight.T
-    return logits if head_bias is None else logits + head_bias
+def teacher_logits(head_weight: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """The target's logits over the rows of `head_weight` (all of them, or a pruned subset) from its lm_head input
+    `final`, in float32 even under autocast: DSpark's TV loss sets them against the cached float32 logsumexp, and
+    bf16 logits (about 0.1 off at magnitude 20) would move every teacher probability by up to 10%."""
+    with torch.autocast(final.device.type, enabled=False):
+        return final.float() @ head_weight.float().T
 
 
 class FeatureStore:

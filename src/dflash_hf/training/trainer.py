@@ -32,7 +32,7 @@ from ..configuration_dflash2 import DFlash2Config
 from ..layers_dflash import layer_attention_mask
 from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk, sorted_kept_ids, vocab_maps
 from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
-from .features import read_sequences
+from .features import read_sequences, teacher_logits
 from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids
 
@@ -95,7 +95,9 @@ class TrainConfig:
     tv_weight: float = 0.9  # DSpark
     confidence_weight: float = 1.0  # DSpark
     selector_weight: float = 1.0  # DFlash 2: alpha of the K-way selector CE beside the DFlash CE (speculators' default)
-    mixed_precision: str = "no"  # "bf16" pays off on GPUs; the CPU trains in fp32
+    # "bf16": autocast matmuls (weights and optimiser stay float32). Pays off on GPUs and on CPUs with bf16 instructions
+    # (avx512_bf16, AMX): a DSpark step of 4 x 32 takes 0.70 s against 1.05 s on one AMD EPYC core.
+    mixed_precision: str = "no"
     seed: int = 0
     log_every: int = 10
     eval_every: int = 200
@@ -551,7 +553,7 @@ class BlockTrainingModule(nn.Module):
             batch_index = rows.nonzero()[:, 0][block_rows] // out.valid.shape[1]
             final = batch.final[batch_index, teacher_at]
             lse = batch.lse[batch_index, teacher_at]
-            teacher = final.to(draft.head_weight().dtype) @ draft.head_weight().T
+            teacher = teacher_logits(draft.head_weight(), final)
             loss, parts = dspark_loss(
                 logits[valid], _draft_labels(draft, labels[valid]), teacher, lse,
                 confidence[valid] if confidence is not None else None, weights,
