@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from dflash_hf.policy_dflash import (
+    COST_REFRESH_STEPS,
     OPTION_MIN_STEPS,
     PROBE_BUDGET,
     PROBE_INTERVAL,
@@ -145,6 +146,27 @@ def test_a_size_cheaper_than_its_neighbours_is_found():
         policy.record("draft" if slots else None, slots, 0, probe, machine[slots + 1] * MS)
     assert swept[:14] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # each twice: the first run warms it up
     assert set(swept[14:]) == {1}
+
+
+def test_a_size_measured_in_a_slow_moment_is_measured_again():
+    """Session 33's run L: the 2-row verify was measured dear in the first steps (above the decode) and, never chosen
+    again, never measured again, so a good draft proposed two or four tokens a step where one wins. A size left
+    unchosen for COST_REFRESH_STEPS steps is measured again, and wins from then on."""
+    machine = {1: 56, 2: 47, 3: 70, 4: 80, 5: 90, 6: 95, 7: 100, 8: 110}
+    policy = LengthPolicy(costs({**machine, 2: 90}), max_slots=7)
+    for _ in range(50):
+        policy.costs.rates("draft").observe(7, 1)
+        policy.costs.rates("draft").observe(7, 0)  # half the first slots accepted
+    chosen = []
+    for _ in range(2000):
+        k, _, _ = policy.choose("draft", 7, None)
+        chosen.append(k)
+        policy.record(None, k, 0, False, machine[k + 1] * MS)  # costs only: the acceptance stays as set
+    first = chosen.index(1)  # measured again (the sizes are, in turn, smallest first)
+    assert chosen[:first] == [2] * first and first <= COST_REFRESH_STEPS
+    assert policy.costs.verify.estimate(2) == pytest.approx(47 * MS)
+    later = chosen[first + 1 :]
+    assert later.count(1) >= 0.97 * len(later), later  # what wins, with the other sizes measured again now and then
 
 
 def test_the_confidence_head_cuts_the_block():

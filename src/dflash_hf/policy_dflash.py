@@ -5,7 +5,8 @@ A Hub remote-code file (standard library only). Speculation pays only when `E[to
 monotonically (float32 on an AMD EPYC with `F.linear`: 1 row 64 ms, 2 rows 101, 3 rows 120, 4 rows 89, 8 rows 109;
 with `verify_matmul`'s weight-first products 2 rows cost 50, less than the decode). So the policy measures every row
 count (its first run, a warm-up, dropped) and keeps what it measured, per row count, for each target/device/dtype
-(forgetting what it measured while a decode step cost much more than it does now: another process held the cores),
+(forgetting what it measured while a decode step cost much more than it does now: another process held the cores,
+and measuring again now and then a size it has long left unchosen),
 and per-position acceptance rates for each proposal source (a draft, prompt lookup); each step it proposes the k
 (0..block) with the best expected rate, k = 0 being a plain decode step. Where speculation looks hopeless it still
 probes now and then (less often each time it fails), because acceptance moves with the text.
@@ -34,6 +35,10 @@ COST_SAMPLES = 8
 # else would correct them, and a policy started under load would decode plainly for good. The decode itself is
 # measured on every plain step, and its median moves this far only with the load (a longer context makes it dearer).
 COST_STALE_RATIO = 1.4
+# A size left unchosen keeps the estimate of its last measurements, and one made in a slow moment (a process starting
+# on the other core) would keep it unchosen for good: after this many steps of its table without it, it is measured
+# again, or later where that step would lose more than PROBE_BUDGET of the decode time between (against the best).
+COST_REFRESH_STEPS = 256
 # Per-position acceptance: prior rate and its weight in pseudo-observations; old observations decay by this factor
 # per update so the rates follow the text of the call at hand.
 ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, ACCEPT_DECAY = 0.5, 2.0, 0.97
@@ -72,8 +77,12 @@ class CostTable:
         self.samples: dict[int, list[float]] = {}
         self.seconds: dict[int, float] = {}  # size -> the estimate
         self.decode_then: dict[int, float | None] = {}  # size -> the decode's estimate when the size's was made
+        self.steps = 0  # measurements of any size
+        self.measured_at: dict[int, int] = {}  # size -> `steps` at its last measurement
 
     def observe(self, size: int, seconds: float) -> None:
+        self.steps += 1
+        self.measured_at[size] = self.steps
         if size not in self.samples:
             self.samples[size] = []  # the warm-up measurement
             return
@@ -89,10 +98,18 @@ class CostTable:
         if seconds is not None and then is not None:
             now = self.decode.seconds.get(1)
             if now is not None and then > COST_STALE_RATIO * now:
-                del self.seconds[size]
-                self.samples[size].clear()
+                self.forget(size)
                 return None
         return seconds
+
+    def unmeasured_for(self, size: int) -> int:
+        """Measurements of other sizes since this one's last."""
+        return self.steps - self.measured_at.get(size, self.steps)
+
+    def forget(self, size: int) -> None:
+        """Drop a size's estimate so that it is measured again (warm already: its next measurement counts)."""
+        self.seconds.pop(size, None)
+        self.samples[size].clear()
 
 
 class AcceptanceRates:
@@ -263,15 +280,17 @@ class LengthPolicy:
     def _rate(self, expected: float, seconds: float | None) -> float | None:
         return None if seconds is None or seconds <= 0 else expected / seconds
 
-    def best(self, expected: list[float], draft_seconds, allow_zero: bool) -> tuple[int, float, float | None]:
+    def best(self, expected: list[float], draft_seconds, allow_zero: bool,
+             refresh: bool = False) -> tuple[int, float, float | None]:
         """(k, expected tokens, estimated seconds) with the best expected rate, of `expected[k]` tokens for proposing
         k; `draft_seconds(k)` is the drafting cost of k slots (0 for prompt lookup). The smallest k whose cost is
-        unknown is the answer (measure it): every size is measured before the estimates decide."""
-        best = None
+        unknown is the answer (measure it): every size is measured before the estimates decide. `refresh` (candidates
+        in hand): a proposal size long unchosen may be the answer instead, to be measured again."""
+        best, spent = None, {}
         for k in range(0 if allow_zero else 1, len(expected)):
             verify = self.costs.verify_estimate(self.batch, k + 1)
             draft = draft_seconds(k) if k else 0.0
-            seconds = None if verify is None or draft is None else verify + draft
+            seconds = spent[k] = None if verify is None or draft is None else verify + draft
             rate = self._rate(expected[k], seconds)
             if rate is None:
                 return k, expected[k], None
@@ -279,6 +298,14 @@ class LengthPolicy:
                 rate /= 1 + SPECULATION_MARGIN
             if best is None or rate > best[0]:
                 best = (rate, k, expected[k], seconds)
+        if refresh:  # proposal sizes long unchosen: measured again, now and then
+            table, best_rate = self.costs.verify_table(self.batch), best[2] / best[3]
+            for k, seconds in spent.items():
+                lost = seconds - expected[k] / best_rate  # beyond what the best takes for as many tokens
+                if (k and k != best[1] and k + 1 in table.seconds
+                        and table.unmeasured_for(k + 1) >= max(COST_REFRESH_STEPS, self.probe_spacing(lost))):
+                    table.forget(k + 1)
+                    return k, expected[k], None
         return best[1], best[2], best[3]
 
     def plan_draft(self, source: str) -> tuple[int, bool]:
@@ -336,7 +363,7 @@ class LengthPolicy:
             else:
                 rates = self.costs.rates(source).rates(available)
                 expected = [self.batch * e for e in expected_tokens(rates)]
-            choice = self.best(expected, lambda k: 0.0, allow_zero=True)
+            choice = self.best(expected, lambda k: 0.0, allow_zero=True, refresh=True)
             if confidence:
                 self._observe_option(source, expected[choice[0]], choice[2])
             elif not choice[0]:
