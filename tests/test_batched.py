@@ -235,6 +235,7 @@ def test_return_dict_carries_sequences_and_stats():
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     assert out.sequences.tolist() == plain.tolist()
     assert out.generation_stats["batch_size"] == 2 and len(out.generation_stats["rows"]) == 2
+    assert out.generation_stats["cost_estimates_ms"]["verify"][1] > 0  # two plain steps of the batch, measured first
 
 
 class Quiet(BaseStreamer):

@@ -232,6 +232,9 @@ def test_whole_command_on_tiny_models(tiny_pair, tmp_path, capsys):
                 # and say what each step proposed: never fewer than it accepted
                 assert len(gen["proposed"]) == len(gen["acceptance_lengths"])
                 assert all(k >= n - 1 for k, n in zip(gen["proposed"], gen["acceptance_lengths"]))
+                # and what the policy weighed: costs of verifying 1 to 4 rows (a block of 4), of drafting 1 to 3 slots
+                assert {int(rows) for rows in gen["cost_estimates_ms"]["verify"]} <= {1, 2, 3, 4}
+                assert all(int(slots) <= 3 for table in gen["cost_estimates_ms"]["draft"].values() for slots in table)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -328,6 +328,10 @@ def test_generate_drafts_full_blocks_when_rows_are_cheap_and_drafts_right():
     assert [step["k"] for step in steps[: len(sweep)]] == sweep
     later = steps[len(sweep) :]
     assert later and sum(step["k"] == slots for step in later) >= len(later) - 1  # then full blocks, all accepted
+    weighed = draft.generation_stats["cost_estimates_ms"]  # what it chose from, as the call left it
+    assert sorted(weighed["verify"]) == list(range(1, slots + 2))
+    assert all(ms >= 50 for ms in weighed["verify"].values())  # each forward slept 50 ms
+    assert sorted(weighed["draft"]) == ["draft"] and slots in weighed["draft"]["draft"]
 
 
 def test_generate_recovers_from_a_loaded_start():
@@ -430,3 +434,16 @@ def test_a_batch_size_not_measured_borrows_the_nearest_larger_one():
     assert measured.verify_estimate(1, 1) == 0.1 and measured.verify_estimate(1, 4) == 0.3
     policy = LengthPolicy(measured, max_slots=7, batch=6)
     assert policy.plan_draft("draft")[0] > 0  # no decode step spent measuring what is known
+
+
+def test_the_estimates_reported_are_the_ones_weighed_per_batch_size():
+    measured = MeasuredCosts()
+    for _ in range(2):  # the first measurement of a size is its warm-up, dropped
+        measured.verify.observe(1, 0.05)
+        measured.verify.observe(3, 0.08)
+        measured.verify_table(4).observe(3, 0.2)
+        measured.draft_table("draft").observe(2, 0.01)
+        measured.draft_table("draft", batch=4).observe(2, 0.03)
+    measured.verify.observe(5, 0.5)  # a warm-up only: no estimate yet, nothing reported
+    assert measured.estimates_ms() == {"verify": {1: 50.0, 3: 80.0}, "draft": {"draft": {2: 10.0}}}
+    assert measured.estimates_ms(batch=4) == {"verify": {3: 200.0}, "draft": {"draft": {2: 30.0}}}

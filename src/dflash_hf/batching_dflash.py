@@ -407,6 +407,7 @@ class BatchedSpeculation:
             r["mean_acceptance_length"] = sum(lengths) / len(lengths) if lengths else 0.0
         self.stats["mean_acceptance_length"] = emitted / steps if steps else 0.0
         self.stats["kernels"] = self.draft.kernel_label
+        self.stats["cost_estimates_ms"] = self.policy.costs.estimates_ms(self.stats["batch_size"])
         return self.stats
 
 

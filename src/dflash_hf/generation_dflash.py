@@ -222,6 +222,8 @@ def _new_stats() -> dict:
         # per verify step, the length policy's choice: k proposed (0 = a plain decode step), from which source,
         # the expected emitted tokens and the estimated seconds it weighed, and whether it was a forced probe
         "policy": [],
+        # at the end of the call, the measured costs the policy weighs (`MeasuredCosts.estimates_ms`)
+        "cost_estimates_ms": {},
         "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
         "kernels": "torch",
     }
@@ -434,6 +436,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.stats["proposals"] = [ids.tolist() for ids in self.stats["proposals"]]
         self.stats["time_s"]["total"] = time.perf_counter() - self._start
         self.stats["kernels"] = self.draft.kernel_label
+        self.stats["cost_estimates_ms"] = self.policy.costs.estimates_ms()
         return self.stats
 
 

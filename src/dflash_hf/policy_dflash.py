@@ -213,7 +213,7 @@ class MeasuredCosts:
     def __init__(self):
         self.verify = CostTable()  # one sequence, by rows: 1 = a plain decode step
         self.batched_verify: dict[int, CostTable] = {}  # a batch of B sequences: B -> by rows per sequence
-        self.draft: dict[str, CostTable] = {}  # by source (and batch size above one), by slots drafted
+        self.draft: dict[tuple[str, int], CostTable] = {}  # by source and batch size, by slots drafted
         self.acceptance: dict[str, AcceptanceRates] = {}
         self.calibration = ConfidenceCalibration()
         self.option_gain: dict[str, DecayedMean] = {}  # by source: seconds a confident draft's choice saved
@@ -239,13 +239,22 @@ class MeasuredCosts:
         return None
 
     def draft_table(self, source: str, batch: int = 1) -> CostTable:
-        name = source if batch == 1 else f"{source} x{batch}"
-        if name not in self.draft:
-            self.draft[name] = CostTable(decode=self.verify_table(batch))
-        return self.draft[name]
+        if (source, batch) not in self.draft:
+            self.draft[source, batch] = CostTable(decode=self.verify_table(batch))
+        return self.draft[source, batch]
 
     def rates(self, source: str) -> AcceptanceRates:
         return self.acceptance.setdefault(source, AcceptanceRates())
+
+    def estimates_ms(self, batch: int = 1) -> dict:
+        """What the policy weighs now, in milliseconds: verify cost by rows per sequence, and drafting cost by slots
+        for each draft source (sizes without an estimate left out), so a report can show why it chose as it did."""
+        def table_ms(table: CostTable) -> dict[int, float]:
+            return {size: round(1000 * table.seconds[size], 3) for size in sorted(table.seconds)}
+
+        with self.lock:
+            return {"verify": table_ms(self.verify_table(batch)),
+                    "draft": {source: table_ms(table) for (source, size), table in self.draft.items() if size == batch}}
 
 
 _measured: dict[tuple, MeasuredCosts] = {}

@@ -30,9 +30,10 @@ def _record(path: BenchPath, log: ForwardLog, sequence: torch.Tensor, prompt_len
         draft_s = float(stats["time_s"]["draft"])
         own_lengths = list(stats["acceptance_lengths"])
         proposed = [step["k"] for step in stats["policy"]]  # what the length policy chose (0: a decode step)
+        costs = stats["cost_estimates_ms"]  # what it weighed, as it stood at the end of the call
     else:
         draft_s = log.draft_module_s + log.head_outside_s
-        own_lengths = proposed = None
+        own_lengths = proposed = costs = None
     record = {
         "new_tokens": int(sequence.shape[-1] - prompt_length),
         "time_s": wall_s,
@@ -46,6 +47,7 @@ def _record(path: BenchPath, log: ForwardLog, sequence: torch.Tensor, prompt_len
     if own_lengths is not None:
         record["acceptance_lengths_reported"] = own_lengths
         record["proposed"] = proposed
+        record["cost_estimates_ms"] = costs
     return record
 
 
