@@ -393,7 +393,8 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     spec = DraftSpec(kind=kind, block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
                      target_layer_ids=[1, 2], draft_vocab_size=32, conv_group_size=8, selector_rank=8,
                      selector_top_k=4)
-    train = TrainConfig(max_steps=3, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100)
+    train = TrainConfig(max_steps=3, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100,
+                        part_weights={"topics": 2})
     summary = train_draft(kind, tmp_path / "draft", target_name="tiny", data=DataConfig(heldout_fraction=0.2),
                           spec=spec, train=train, work_dir=tmp_path / "work", target=target, tokenizer=tokenizer,
                           corpus=tmp_path / "corpus", save_dtype=torch.float32)
@@ -401,6 +402,7 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     assert summary["corpus"] == str(tmp_path / "corpus") and summary["steps_run"] == 3
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "self-distilled corpus" in card and "states it learned from were computed in\n  float32." in card
+    assert "each training answer of topics 2 times, every\n  other answer once." in card
     saved = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
     assert saved["kind"] == kind and saved["corpus_shards"]["used"] == saved["corpus_shards"]["total"] >= 1
     assert "shards: those whose" not in model_card(saved)  # every shard used: nothing to say

@@ -56,9 +56,11 @@ from dflash_hf.training.trainer import (
     heldout_tau,
     sample_anchors,
     step_batch,
+    step_sequences,
     train_loop,
     training_attention_mask,
     valid_anchor_positions,
+    weighted_indices,
 )
 from dflash_hf.training.vocab import build_vocab_mapping, coverage, most_frequent_ids, target_to_draft_ids
 
@@ -428,6 +430,33 @@ def test_features_by_shard_count_the_shards_other_runs_finish_before_the_deadlin
                                                                              groups[ours][0]["id"]]
 
 
+def test_part_weights_repeat_a_corpus_part_within_each_epoch(toy, tmp_path):
+    """`--part-weight topics=3`: over one epoch of the weighted list every training answer of the topics shards is
+    read three times and every other one once; names that are not parts, weights below 1, and stores that are not a
+    corpus are refused."""
+    target, records = toy
+    shard_of = lambda n: "topics-0000" if n < 8 else f"mined-{n // 8:04d}"  # noqa: E731
+    store = cache_features_by_shard(target, [{**r, "shard": shard_of(n)} for n, r in enumerate(records[:24])],
+                                    LAYERS, tmp_path / "corpus")
+    assert sorted(set(store.parts())) == ["mined", "topics"]
+    train = store.split(heldout=False)
+    weighted = weighted_indices(store, train, {"topics": 3})
+    seen = [i for step in range(len(weighted)) for i in step_sequences(step, weighted, 1, seed=0)]
+    topics = [i for i in train if store.parts()[i] == "topics"]
+    assert 0 < len(topics) < len(train)
+    assert {i: seen.count(i) for i in train} == {i: 3 if i in topics else 1 for i in train}
+    assert weighted_indices(store, train, {}) == train
+    with pytest.raises(ValueError, match=r"part_weights .*\['written'\].*\['mined', 'topics'\]"):
+        weighted_indices(store, train, {"written": 2})
+    with pytest.raises(ValueError, match=r"whole numbers >= 1.*'topics': 0"):
+        weighted_indices(store, train, {"topics": 0})
+    with pytest.raises(ValueError, match="train with --corpus"):
+        weighted_indices(cache_features(target, records[:4], LAYERS, tmp_path / "single"), [0, 1], {"topics": 2})
+    with pytest.raises(ValueError, match=r"\['written'\]"):  # the training loop weighs its split
+        train_loop(build_draft(target, toy_spec(), seed=0), store, TrainConfig(max_steps=1, part_weights={"written": 2}),
+                   tmp_path / "run")
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
 def test_reading_features_keeps_no_file_open(toy, tmp_path):
     """A corpus cache has hundreds of shards of five files each, more than the usual limit of 1,024 open files if
@@ -635,6 +664,18 @@ def test_train_names_a_mixed_precision_it_does_not_know(tmp_path, capsys):
     with pytest.raises(SystemExit):  # before any target is loaded
         cli_main(["train", "--out", str(tmp_path), "--mixed-precision", "bfloat16"])
     assert "--mixed-precision: invalid choice: 'bfloat16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weight", ["topics=0", "topics", "=2", "topics=two"])
+def test_train_refuses_a_part_weight_that_is_not_part_equals_a_count(tmp_path, capsys, weight):
+    with pytest.raises(SystemExit):  # before any target is loaded
+        cli_main(["train", "--out", str(tmp_path), "--corpus", str(tmp_path), "--part-weight", weight])
+    assert f"--part-weight takes PART=N with N a whole number >= 1, got {weight!r}" in capsys.readouterr().err
+
+
+def test_train_refuses_part_weights_without_a_corpus(tmp_path):
+    with pytest.raises(SystemExit, match="--part-weight weighs the parts of a corpus: pass --corpus too"):
+        cli_main(["train", "--out", str(tmp_path), "--part-weight", "topics=2"])
 
 
 @pytest.mark.parametrize("kind,precision", [("dflash", "no"), ("dspark", "no"), ("dflash2", "no"), ("dspark", "bf16")])

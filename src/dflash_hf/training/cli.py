@@ -4,6 +4,7 @@ Every stage caches its output under a work directory and resumes from it, so one
 kill, finishes) a whole run. Presets hold the numbers of the shipped drafts; flags override them.
 """
 
+import argparse
 import copy
 import hashlib
 import json
@@ -372,6 +373,12 @@ def model_card(summary: dict, evaluation: str = "") -> str:
   earlier answers, all answered by the target with its chat template (mostly greedy, some sampled). No MT-Bench or
   HumanEval prompt was used (a test checks for overlap). The target states it learned from were computed in
   {summary.get('target_dtype', 'float32')}."""
+        weights = train.get("part_weights")
+        if weights:
+            listed = ", ".join(f"{part} {n} times" for part, n in sorted(weights.items()))
+            data_line += f"""
+- Sampling leaned on some parts (`--part-weight`): per epoch each training answer of {listed}, every
+  other answer once."""
         shards = summary.get("corpus_shards") or {}
         if shards and shards["used"] < shards["total"]:
             data_line += f"""
@@ -445,6 +452,14 @@ _TRAIN_FLAGS = {"max_steps": int, "sequences_per_step": int, "anchors_per_sequen
                 "ce_weight": float, "tv_weight": float, "confidence_weight": float}
 
 
+def part_weight(text: str) -> tuple[str, int]:
+    """`--part-weight topics=3` -> ("topics", 3)."""
+    part, _, weight = text.partition("=")
+    if not part or not weight.isdigit() or int(weight) < 1:
+        raise argparse.ArgumentTypeError(f"--part-weight takes PART=N with N a whole number >= 1, got {text!r}")
+    return part, int(weight)
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("train", help="train a DFlash, DSpark or DFlash 2 draft for a target (resumable)")
     parser.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
@@ -478,6 +493,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
                         help="bf16: matmuls autocast, weights and optimiser in float32; on GPUs and on CPUs with bf16 "
                              "instructions (avx512_bf16, AMX) more steps per minute (default: no)")
+    parser.add_argument("--part-weight", action="append", type=part_weight, default=None, metavar="PART=N",
+                        help="with --corpus: list each training answer of a corpus part N times per epoch (repeat "
+                             "for several parts; e.g. topics=3 written=3 to lean towards conversation)")
     for flags in (_DATA_FLAGS, _SPEC_FLAGS, _TRAIN_FLAGS):
         for name, kind in flags.items():
             if name != "mixed_precision":  # declared above, with its choices
@@ -533,6 +551,11 @@ def run(args) -> int:
     def picked(flags):
         return {n: getattr(args, n) for n in flags if getattr(args, n) is not None}
 
+    train_overrides = picked(_TRAIN_FLAGS)
+    if args.part_weight:
+        if args.corpus is None:
+            raise SystemExit("--part-weight weighs the parts of a corpus: pass --corpus too.")
+        train_overrides["part_weights"] = dict(args.part_weight)
     command = "dflash-hf " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     kinds = ("dflash", "dspark") if args.kind == "both" else (args.kind,)
     if args.init_from is not None and args.kind == "both":
@@ -544,7 +567,7 @@ def run(args) -> int:
         out = args.out / f"{args.preset}-{kind}" if args.kind == "both" else args.out
         summary = train_from_preset(
             args.preset, kind, out, work_dir=args.work_dir, command=command, data_overrides=picked(_DATA_FLAGS),
-            spec_overrides=picked(_SPEC_FLAGS), train_overrides=picked(_TRAIN_FLAGS),
+            spec_overrides=picked(_SPEC_FLAGS), train_overrides=train_overrides,
             online_features=args.online_features, target=target, tokenizer=tokenizer, target_name=target_name,
             corpus=args.corpus, init_from=args.init_from, feature_minutes=args.feature_minutes,
             rechoose_vocab=args.rechoose_vocab,

@@ -323,6 +323,12 @@ class ChainedFeatures:
     def complete(self) -> bool:
         return all(store.complete() for store in self.stores)
 
+    def parts(self) -> list[str]:
+        """Each sequence's corpus part: its shard's name without the number ("topics-0003" -> "topics")."""
+        if self.names is None:
+            raise ValueError("These feature stores are not corpus shards: they have no parts.")
+        return [name.rsplit("-", 1)[0] for store, name in zip(self.stores, self.names) for _ in range(len(store))]
+
     def sequence(self, index: int) -> dict:
         store, local = self._where[index]
         return store.sequence(local)

@@ -108,6 +108,9 @@ class TrainConfig:
     eval_anchor_chunk: int = 64  # anchors per draft forward during evaluation (bounds memory)
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    # Corpus part -> times each of its training sequences is listed per epoch ({"topics": 3}; others once): leans a
+    # run towards a part (conversation, say) without new data. Needs a corpus run (`--corpus`).
+    part_weights: dict[str, int] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
 
@@ -405,6 +408,23 @@ def step_sequences(step: int, train_indices: list[int], per_step: int, seed: int
     return picked
 
 
+def weighted_indices(store, indices: list[int], part_weights: dict[str, int]) -> list[int]:
+    """`indices` with each sequence of a weighted corpus part repeated `part_weights[part]` times."""
+    if not part_weights:
+        return indices
+    if not hasattr(store, "parts"):
+        raise ValueError("part_weights (--part-weight) weigh the parts of a corpus: train with --corpus.")
+    parts = store.parts()
+    unknown = sorted(set(part_weights) - set(parts))
+    if unknown:
+        raise ValueError(f"part_weights (--part-weight) names {unknown}, which this run's shards do not hold; "
+                         f"its parts are {sorted(set(parts))}.")
+    bad = {part: weight for part, weight in part_weights.items() if not (isinstance(weight, int) and weight >= 1)}
+    if bad:
+        raise ValueError(f"part_weights (--part-weight) must be whole numbers >= 1; got {bad}.")
+    return [i for i in indices for _ in range(part_weights.get(parts[i], 1))]
+
+
 def step_batch(store, step: int, train_indices: list[int], config: TrainConfig, rank: int = 0,
                world_size: int = 1) -> BlockBatch:
     indices = step_sequences(step, train_indices, config.sequences_per_step, config.seed, rank, world_size)
@@ -689,6 +709,7 @@ def train_loop(draft: DFlashDraftModel, store, config: TrainConfig, out_dir: Pat
         raise ValueError(f"The features hold target layers {store.layer_ids} but the draft reads "
                          f"{draft.config.target_layer_ids} (`target_layer_ids`); cache features for its layers.")
     train_indices, heldout_indices = store.split(heldout=False), store.split(heldout=True)
+    train_indices = weighted_indices(store, train_indices, config.part_weights)
     if not train_indices:
         raise ValueError("The feature store has no training sequences (all are held out).")
     module = BlockTrainingModule(draft, config)
