@@ -438,11 +438,12 @@ def test_part_weights_repeat_a_corpus_part_within_each_epoch(toy, tmp_path):
     shard_of = lambda n: "topics-0000" if n < 8 else f"mined-{n // 8:04d}"  # noqa: E731
     store = cache_features_by_shard(target, [{**r, "shard": shard_of(n)} for n, r in enumerate(records[:24])],
                                     LAYERS, tmp_path / "corpus")
-    assert sorted(set(store.parts())) == ["mined", "topics"]
+    parts = store.parts()
+    assert sorted(set(parts)) == ["mined", "topics"]
     train = store.split(heldout=False)
     weighted = weighted_indices(store, train, {"topics": 3})
     seen = [i for step in range(len(weighted)) for i in step_sequences(step, weighted, 1, seed=0)]
-    topics = [i for i in train if store.parts()[i] == "topics"]
+    topics = [i for i in train if parts[i] == "topics"]
     assert 0 < len(topics) < len(train)
     assert {i: seen.count(i) for i in train} == {i: 3 if i in topics else 1 for i in train}
     assert weighted_indices(store, train, {}) == train

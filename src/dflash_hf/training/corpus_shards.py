@@ -50,6 +50,11 @@ def shard_name(part: str, index: int) -> str:
     return f"{part}-{index:04d}"
 
 
+def shard_part(name: str) -> str:
+    """`shard_name`'s part: "derived-topics-0003" -> "derived-topics"."""
+    return name.rsplit("-", 1)[0]
+
+
 def shard_of(item_id: str, part: str) -> int:
     return corpus.stable_hash(item_id) % SHARDS[part.removeprefix("derived-")]
 

@@ -20,6 +20,8 @@ import torch
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
+from .corpus_shards import shard_part
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
@@ -324,10 +326,10 @@ class ChainedFeatures:
         return all(store.complete() for store in self.stores)
 
     def parts(self) -> list[str]:
-        """Each sequence's corpus part: its shard's name without the number ("topics-0003" -> "topics")."""
+        """Each sequence's corpus part (`shard_part` of its shard's name)."""
         if self.names is None:
             raise ValueError("These feature stores are not corpus shards: they have no parts.")
-        return [name.rsplit("-", 1)[0] for store, name in zip(self.stores, self.names) for _ in range(len(store))]
+        return [shard_part(name) for store, name in zip(self.stores, self.names) for _ in range(len(store))]
 
     def sequence(self, index: int) -> dict:
         store, local = self._where[index]
