@@ -108,6 +108,8 @@ def test_prompt_builder_is_deterministic(tmp_path, monkeypatch):
     assert sum(":moving_average@" in i for i in ids) == corpus.TEMPLATES_PER_ITEM
     assert corpus.topic_items() == corpus.topic_items()
     assert len(corpus.topic_items()) == len(corpus.TOPICS) * len(corpus.TOPIC_TEMPLATES)
+    assert corpus.task_items() == corpus.task_items()
+    assert len(corpus.task_items()) == len(corpus.TOPICS) * len(corpus.TASK_TEMPLATES)
     # Derived prompts depend only on the parent and its answer: the same choice on every machine.
     parents = [item(f"topic:x:{n}", "Tell me about x.") for n in range(30)]
     derived = [corpus.derived_item(p, "An answer. " * 20, 60, True) for p in parents]
@@ -150,8 +152,8 @@ def test_overlap_check_fails_on_every_eval_prompt():
     humaneval = next(iter(load_samples("humaneval")[0])).turns[0]
     edited = humaneval.replace("given", "provided").replace("numbers", "values") + "\nThanks."
     assert overlap.reason(edited)
-    for topic_item in corpus.topic_items()[:200]:
-        assert overlap.reason(topic_item["messages"][0]["content"]) is None
+    for template_item in corpus.topic_items()[:200] + corpus.task_items()[:200]:  # every template, a few topics
+        assert overlap.reason(template_item["messages"][0]["content"]) is None
 
 
 @pytest.mark.slow
@@ -281,6 +283,17 @@ def test_schedule_covers_every_shard_once_with_derived_after_parents():
     assert len(order) == len(set(order)) == 2 * sum(shards.SHARDS.values())
     position = {entry: n for n, entry in enumerate(order)}
     assert all(position[(f"derived-{p}", i)] > position[(p, i)] for p, n in shards.SHARDS.items() for i in range(n))
+
+
+def test_each_part_builds_its_own_prompts_and_fills_every_shard():
+    """The id prefix of a part's prompts names that part (a derived id finds its parent's shard through it)."""
+    built = shards.Corpus(REPO_CORPUS)
+    built._overlap = NoOverlap()
+    assert set(shards.PREFIX_PARTS.values()) == set(shards.BASE_PARTS)
+    for part in ("topics", "written", "tasks"):  # mined takes minutes to build: the slow test below covers it
+        items = [entry for shard in built.part(part).values() for entry in shard]
+        assert all(shards.PREFIX_PARTS[entry["id"].split(":", 1)[0]] == part for entry in items), part
+        assert {shards.shard_of(entry["id"], part) for entry in items} == set(range(shards.SHARDS[part])), part
 
 
 def test_derived_shards_build_on_their_parent_shard(tiny_pair, tmp_path):

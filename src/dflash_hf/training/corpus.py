@@ -5,6 +5,8 @@ Sources (each a *part* with its own answer shards, see `corpus_shards`):
   pinned site-packages), each in a few phrasings (implement, explain, document, write tests, refactor, review...).
   Their text belongs to those packages, so it is rebuilt here from the installed versions and never committed.
 - `topics`: our own question templates over seed topics.
+- `tasks`: our own task templates over the same topics: writing in a form or a voice, role-play, word problems, plans,
+  comparisons (the kinds of request a chat assistant gets beyond questions).
 - `written`: questions the target wrote itself from seed topics (committed, since the target wrote them).
 - `derived-<part>`: follow-up turns, rewrites and summaries over the answers of an earlier shard.
 Every prompt passes `EvalOverlap`, which rejects anything matching MT-Bench or HumanEval text or function names.
@@ -116,6 +118,34 @@ TOPIC_TEMPLATES = (
     "What is one surprising thing about {topic}?",
     "Write a list of do's and don'ts about {topic}.",
     "How has {topic} changed over the last hundred years?",
+)
+
+# Tasks rather than questions: a form to write in, a voice to take, a problem to set and solve.
+TASK_TEMPLATES = (
+    "Write a persuasive paragraph arguing that everyone should know something about {topic}.",
+    "You are a museum guide. Tell a group of visitors about {topic}.",
+    "Pretend to be a journalist interviewing an expert on {topic}: write three questions and the expert's answers.",
+    "Write a short speech for a school assembly about {topic}.",
+    "Compare {topic} with a closely related subject in a small table, then sum up the difference in one sentence.",
+    "Write a limerick about {topic}.",
+    "Write a letter to a local newspaper explaining why {topic} matters to your town.",
+    "Make up a riddle whose answer has to do with {topic}, then explain the answer.",
+    "Make up a math word problem about {topic} and solve it step by step.",
+    "Write a diary entry by someone whose work has to do with {topic}.",
+    "Outline a five-minute presentation about {topic}.",
+    "Announce a new discovery about {topic} in two sentences, as a news headline and a lead.",
+    "Review an imaginary documentary film about {topic}.",
+    "Talk about {topic} in the voice of a pirate captain.",
+    "Write numbered instructions for someone starting a hobby connected to {topic}.",
+    "Describe a typical working day of a person who studies {topic}.",
+    "Write a short advertisement for a weekend workshop on {topic}.",
+    "Suggest five creative project ideas for a class studying {topic}.",
+    "Write a fable that teaches a lesson about {topic}.",
+    "What would change in the world if {topic} suddenly disappeared?",
+    "Write a FAQ section with three questions and answers about {topic}.",
+    "Give the strongest argument for and the strongest argument against spending more public money on {topic}.",
+    "Write a thank-you note to a teacher who made {topic} interesting for you.",
+    "Plan the chapters of a beginner's book about {topic}, one line each.",
 )
 
 DERIVED_FOLLOW_UPS = (
@@ -312,6 +342,12 @@ def topic_items(topics=TOPICS) -> list[dict]:
     return [{"id": f"topic:{topic}:{number}", "source": "topic-template", "function": None, "mined": False,
              "messages": user(template.format(topic=topic))}
             for topic in topics for number, template in enumerate(TOPIC_TEMPLATES)]
+
+
+def task_items(topics=TOPICS) -> list[dict]:
+    return [{"id": f"task:{topic}:{number}", "source": "task-template", "function": None, "mined": False,
+             "messages": user(template.format(topic=topic))}
+            for topic in topics for number, template in enumerate(TASK_TEMPLATES)]
 
 
 def written_items(records: list[dict]) -> list[dict]:

@@ -25,9 +25,9 @@ from .data import DataConfig, chat_ids, eos_ids, is_heldout, read_jsonl
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-SHARDS = {"mined": 1024, "topics": 96, "written": 32}  # about 60-90 prompts a shard: minutes of one CPU core each
+SHARDS = {"mined": 1024, "topics": 96, "written": 32, "tasks": 96}  # about 60-90 prompts a shard: minutes of one CPU core each
 BASE_PARTS = tuple(SHARDS)
-PREFIX_PARTS = {"mined": "mined", "topic": "topics", "written": "written"}  # item id prefix -> part
+PREFIX_PARTS = {"mined": "mined", "topic": "topics", "written": "written", "task": "tasks"}  # item id prefix -> part
 WRITTEN_FILE = "written_prompts.jsonl"
 WRITTEN_PROMPTS = 1000  # the target's own questions: they cost generation, so a modest share
 DEFAULT_CORPUS_DIR = Path("data") / "smollm2-135m"
@@ -155,6 +155,8 @@ class Corpus:
                 items = corpus.mined_items(self.packages)
             elif part == "topics":
                 items = corpus.topic_items()
+            elif part == "tasks":
+                items = corpus.task_items()
             else:
                 items = corpus.written_items(read_jsonl(self.directory / WRITTEN_FILE))
             items = corpus.finalize(items, self.overlap, self.stats)
