@@ -435,6 +435,11 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     with pytest.raises(ValueError, match="feature_minutes"):  # a budget for corpus features, without a corpus
         train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(), spec=spec, train=train,
                     work_dir=tmp_path / "work", target=target, tokenizer=tokenizer, feature_minutes=1.0)
+    with pytest.raises(ValueError, match=r"part_weights .*\['written'\]"):  # refused before any state is computed
+        train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(heldout_fraction=0.2), spec=spec,
+                    train=replace(train, part_weights={"written": 2}), work_dir=tmp_path / "early", target=target,
+                    tokenizer=tokenizer, corpus=tmp_path / "corpus")
+    assert not list((tmp_path / "early").glob("features-*/*"))
 
     records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)
     counts = RecordFeatures(records, [1, 2]).token_counts(VOCAB_SIZE)  # the training split's answer ids

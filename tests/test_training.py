@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import threading
@@ -23,6 +24,7 @@ from dflash_hf.modeling_dflash import check_vocab_mapping
 from dflash_hf.training import features, trainer
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
 from dflash_hf.training.features import (
+    caching_order,
     LOCK_FILE,
     META_FILE,
     OnlineFeatures,
@@ -456,6 +458,24 @@ def test_part_weights_repeat_a_corpus_part_within_each_epoch(toy, tmp_path):
     with pytest.raises(ValueError, match=r"\['written'\]"):  # the training loop weighs its split
         train_loop(build_draft(target, toy_spec(), seed=0), store, TrainConfig(max_steps=1, part_weights={"written": 2}),
                    tmp_path / "run")
+
+
+def test_weighted_parts_get_their_states_first(toy, tmp_path, caplog):
+    """With part weights, the shards of weighted parts are computed first, the heaviest first (what a short
+    `--feature-minutes` budget then caches); the store still reads every shard in the fixed shuffled order, so the
+    held-out answers it measures sample every part. A weight for a part the shards lack is refused before any work."""
+    target, records = toy
+    names = ["mined-0000", "mined-0001", "topics-0000", "written-0000"]
+    corpus = [{**r, "shard": names[n // 6]} for n, r in enumerate(records[:24])]
+    with caplog.at_level(logging.INFO, logger=features.__name__):
+        store = cache_features_by_shard(target, corpus, LAYERS, tmp_path / "cache",
+                                        part_weights={"topics": 2, "written": 3})
+    computed = [r.args[0] for r in caplog.records if r.msg.startswith("Target states of shard")]
+    assert computed == ["written-0000", "topics-0000"] + caching_order(["mined-0000", "mined-0001"])
+    assert store.names == caching_order(names) != computed
+    with pytest.raises(ValueError, match=r"part_weights .*\['tasks'\].*\['mined', 'topics', 'written'\]"):
+        cache_features_by_shard(target, corpus, LAYERS, tmp_path / "refused", part_weights={"tasks": 2})
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")

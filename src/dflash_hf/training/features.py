@@ -253,14 +253,34 @@ def shard_folders(groups: dict[str, list[dict]], root: Path) -> dict[str, Path]:
     return folders
 
 
+def check_part_weights(parts: set[str], part_weights: dict[str, int]) -> None:
+    """A clear error for `--part-weight`s that name no part of this run's shards or are not whole numbers >= 1."""
+    unknown = sorted(set(part_weights) - parts)
+    if unknown:
+        raise ValueError(f"part_weights (--part-weight) names {unknown}, which this run's shards do not hold; "
+                         f"its parts are {sorted(parts)}.")
+    bad = {part: weight for part, weight in part_weights.items() if not (isinstance(weight, int) and weight >= 1)}
+    if bad:
+        raise ValueError(f"part_weights (--part-weight) must be whole numbers >= 1; got {bad}.")
+
+
+def caching_order(names, part_weights: dict[str, int] | None = None) -> list[str]:
+    """The order shards' states are computed in: a fixed shuffle, so that a partial cache samples the whole corpus,
+    except that the shards of parts weighted up come first, the heaviest first, since training reads them most."""
+    weights = part_weights or {}
+    return sorted(names, key=lambda name: (-weights.get(shard_part(name), 1), zlib.crc32(name.encode()), name))
+
+
 def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], root: Path,
                             max_minutes: float | None = None, poll_seconds: float = 5.0,
-                            shards: list[str] | None = None) -> "ChainedFeatures":
+                            shards: list[str] | None = None,
+                            part_weights: dict[str, int] | None = None) -> "ChainedFeatures":
     """`cache_features` one corpus shard at a time (records carry their `shard`), each in its own folder under `root`.
 
     A grown corpus then only computes its new shards, and `train` runs sharing `root` (one per draft kind, a core
     each) split the shards between them through a lock per folder. With `max_minutes`, shards not cached by then are
-    left out of this run; shards go in a fixed shuffled order, so a partial cache is a fair sample of the corpus.
+    left out of this run; they go in `caching_order` (weighted parts first, then a fixed shuffle). The store reads
+    them in the shuffled order whatever the weights, so the held-out answers it measures stay a sample of every part.
     `shards`: exactly these and no others, whatever the budget (a resumed run keeps the data it started with).
     """
     deadline = time.time() + 60 * max_minutes if max_minutes is not None and shards is None else None
@@ -271,8 +291,10 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
             raise ValueError(f"This run trained on corpus shards that are gone or no longer readable: {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}; restore them or start a new run.")
         groups = {name: groups[name] for name in shards}
+    if part_weights:
+        check_part_weights({shard_part(name) for name in groups}, part_weights)
     folders = shard_folders(groups, root)
-    order = sorted(groups, key=lambda name: (zlib.crc32(name.encode()), name))
+    order = caching_order(groups, part_weights)
 
     def cached(name: str) -> bool:  # the folder's name pins its records, so its progress count says it all
         return progress_count(folders[name]) == len(groups[name])
@@ -284,13 +306,14 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
                 continue
             with _claimed(folders[name]) as mine:
                 if mine:
+                    logger.info("Target states of shard %s (%d answers)", name, len(groups[name]))
                     cache_features(target, groups[name], layer_ids, folders[name])
                 else:
                     waiting.append(name)  # another run is computing it
         if not waiting or (deadline is not None and time.time() > deadline):
             break
         time.sleep(poll_seconds)
-    done = [name for name in order if cached(name)]  # other runs' shards finished meanwhile included
+    done = [name for name in caching_order(groups) if cached(name)]  # other runs' shards finished meanwhile included
     if not done:
         raise ValueError(f"No shard's features were cached within {max_minutes} minutes; allow more time.")
     if len(done) < len(order):

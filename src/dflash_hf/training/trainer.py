@@ -32,7 +32,7 @@ from ..configuration_dflash2 import DFlash2Config
 from ..layers_dflash import layer_attention_mask
 from ..modeling_dflash import DFlashDraftModel, DSparkDraftModel, markov_walk, sorted_kept_ids, vocab_maps
 from ..modeling_dflash2 import DFlash2DraftModel, selector_walk
-from .features import read_sequences, teacher_logits
+from .features import check_part_weights, read_sequences, teacher_logits
 from .losses import dflash_loss, dspark_loss, selector_loss, selector_training_candidates, slot_weights
 from .vocab import target_to_draft_ids
 
@@ -415,13 +415,7 @@ def weighted_indices(store, indices: list[int], part_weights: dict[str, int]) ->
     if not hasattr(store, "parts"):
         raise ValueError("part_weights (--part-weight) weigh the parts of a corpus: train with --corpus.")
     parts = store.parts()
-    unknown = sorted(set(part_weights) - set(parts))
-    if unknown:
-        raise ValueError(f"part_weights (--part-weight) names {unknown}, which this run's shards do not hold; "
-                         f"its parts are {sorted(set(parts))}.")
-    bad = {part: weight for part, weight in part_weights.items() if not (isinstance(weight, int) and weight >= 1)}
-    if bad:
-        raise ValueError(f"part_weights (--part-weight) must be whole numbers >= 1; got {bad}.")
+    check_part_weights(set(parts), part_weights)
     return [i for i in indices for _ in range(part_weights.get(parts[i], 1))]
 
 
