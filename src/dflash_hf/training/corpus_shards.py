@@ -25,7 +25,8 @@ from .data import DataConfig, chat_ids, eos_ids, is_heldout, read_jsonl
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-SHARDS = {"mined": 1024, "topics": 96, "written": 32, "tasks": 96}  # about 60-90 prompts a shard: minutes of one CPU core each
+# About 60-90 prompts a shard: minutes of one CPU core each. Never change a count: it decides which shard holds what.
+SHARDS = {"mined": 1024, "topics": 96, "written": 32, "tasks": 96}
 BASE_PARTS = tuple(SHARDS)
 PREFIX_PARTS = {"mined": "mined", "topic": "topics", "written": "written", "task": "tasks"}  # item id prefix -> part
 WRITTEN_FILE = "written_prompts.jsonl"
