@@ -120,7 +120,8 @@ TOPIC_TEMPLATES = (
     "How has {topic} changed over the last hundred years?",
 )
 
-# Tasks rather than questions: a form to write in, a voice to take, a problem to set and solve.
+# Tasks rather than questions: a form to write in, a voice to take, a problem to set and solve. Like the topic
+# templates, frozen once answered: the committed shards hold answers to exactly these; new kinds need a new part.
 TASK_TEMPLATES = (
     "Write a persuasive paragraph arguing that everyone should know something about {topic}.",
     "You are a museum guide. Tell a group of visitors about {topic}.",
