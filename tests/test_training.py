@@ -24,7 +24,6 @@ from dflash_hf.modeling_dflash import check_vocab_mapping
 from dflash_hf.training import features, trainer
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
 from dflash_hf.training.features import (
-    caching_order,
     LOCK_FILE,
     META_FILE,
     OnlineFeatures,
@@ -32,6 +31,7 @@ from dflash_hf.training.features import (
     by_shard,
     cache_features,
     cache_features_by_shard,
+    caching_order,
     shard_folders,
     target_features,
     teacher_logits,
