@@ -339,16 +339,19 @@ def mined_items(packages=tuple(MINED_PACKAGES)) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def topic_items(topics=TOPICS) -> list[dict]:
-    return [{"id": f"topic:{topic}:{number}", "source": "topic-template", "function": None, "mined": False,
+def _template_items(kind: str, templates, topics) -> list[dict]:
+    """Every template over every topic, with ids `<kind>:<topic>:<template number>`."""
+    return [{"id": f"{kind}:{topic}:{number}", "source": f"{kind}-template", "function": None, "mined": False,
              "messages": user(template.format(topic=topic))}
-            for topic in topics for number, template in enumerate(TOPIC_TEMPLATES)]
+            for topic in topics for number, template in enumerate(templates)]
+
+
+def topic_items(topics=TOPICS) -> list[dict]:
+    return _template_items("topic", TOPIC_TEMPLATES, topics)
 
 
 def task_items(topics=TOPICS) -> list[dict]:
-    return [{"id": f"task:{topic}:{number}", "source": "task-template", "function": None, "mined": False,
-             "messages": user(template.format(topic=topic))}
-            for topic in topics for number, template in enumerate(TASK_TEMPLATES)]
+    return _template_items("task", TASK_TEMPLATES, topics)
 
 
 def written_items(records: list[dict]) -> list[dict]:

@@ -291,8 +291,7 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
             raise ValueError(f"This run trained on corpus shards that are gone or no longer readable: {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}; restore them or start a new run.")
         groups = {name: groups[name] for name in shards}
-    if part_weights:
-        check_part_weights({shard_part(name) for name in groups}, part_weights)
+    check_part_weights({shard_part(name) for name in groups}, part_weights or {})
     folders = shard_folders(groups, root)
     order = caching_order(groups, part_weights)
 
