@@ -414,8 +414,11 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     assert summary["train_sequences"] + summary["heldout_sequences"] == 24
     assert summary["corpus"] == str(tmp_path / "corpus") and summary["steps_run"] == 3
     card = (tmp_path / "draft" / "README.md").read_text()
-    assert "self-distilled corpus" in card and "states it learned from were computed in\n  float32." in card
+    assert "self-distilled corpus" in card and "states it learned from were computed\n  in float32." in card
     assert "each training answer of topics 2 times, every\n  other answer once." in card
+    assert summary["parts"] == {"topics": {"answers": summary["train_sequences"], "weight": 2, "epoch_share": 1.0,
+                                           "answer_tokens": summary["train_tokens_assistant"]}}
+    assert "Answer tokens one epoch read, by corpus part: topics 100%." in card
     saved = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
     assert saved["kind"] == kind and saved["corpus_shards"]["used"] == saved["corpus_shards"]["total"] >= 1
     assert "shards: those whose" not in model_card(saved)  # every shard used: nothing to say
@@ -431,7 +434,7 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     caches = sorted(path.name for path in (tmp_path / "work").glob("features-*"))
     assert caches == ["features-1-2-bfloat16-corpus", "features-1-2-float32-corpus"]
     assert half["target_dtype"] == "bfloat16" and half["train_sequences"] == summary["train_sequences"]
-    assert "computed in\n  bfloat16." in (tmp_path / "half" / "README.md").read_text()
+    assert "computed\n  in bfloat16." in (tmp_path / "half" / "README.md").read_text()
     with pytest.raises(ValueError, match="feature_minutes"):  # a budget for corpus features, without a corpus
         train_draft(kind, tmp_path / "unused", target_name="tiny", data=DataConfig(), spec=spec, train=train,
                     work_dir=tmp_path / "work", target=target, tokenizer=tokenizer, feature_minutes=1.0)
@@ -579,11 +582,15 @@ def test_a_resumed_run_keeps_the_shards_it_started_with(tiny_pair, tmp_path):
     assert after > before
     again = train_draft("dflash", tmp_path / "draft", **common)  # the same command: its finished run, resumed
     assert again["corpus_shards"] == {"used": before, "total": after}
+    # It counts the answers it read, not the grown corpus's.
+    assert first["prompts"] == again["prompts"] == {"code": 0, "topic": 12}
+    assert again["parts"]["topics"]["answers"] == again["train_sequences"] < 12
     assert again["final_train_metrics"] == first["final_train_metrics"]
     [run_dir] = (tmp_path / "work").glob("run-dflash-*")
     assert len(json.loads((run_dir / RUN_SHARDS_FILE).read_text())) == before
     fresh = train_draft("dflash", tmp_path / "other", **common)
     assert fresh["corpus_shards"] == {"used": after, "total": after}
+    assert fresh["prompts"]["topic"] == len(shards.load_corpus_records(tmp_path / "corpus", tokenizer)) > 12
     (run_dir / RUN_SHARDS_FILE).write_text(json.dumps(["topics-0999"]))
     with pytest.raises(ValueError, match="topics-0999"):
         train_draft("dflash", tmp_path / "draft", **common)

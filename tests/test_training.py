@@ -56,6 +56,7 @@ from dflash_hf.training.trainer import (
     collate,
     fit_steps,
     heldout_tau,
+    part_shares,
     sample_anchors,
     step_batch,
     step_sequences,
@@ -449,6 +450,16 @@ def test_part_weights_repeat_a_corpus_part_within_each_epoch(toy, tmp_path):
     assert 0 < len(topics) < len(train)
     assert {i: seen.count(i) for i in train} == {i: 3 if i in topics else 1 for i in train}
     assert weighted_indices(store, train, {}) == train
+    # What one weighted epoch reads, by part: the answer tokens of the weighted list.
+    answer = {i: int(store.sequence(i)["loss_mask"].sum()) for i in train}
+    shares = part_shares(store, train, {"topics": 3})
+    assert {part: (s["answers"], s["answer_tokens"], s["weight"]) for part, s in shares.items()} == {
+        "topics": (len(topics), sum(answer[i] for i in topics), 3),
+        "mined": (len(train) - len(topics), sum(answer[i] for i in train if i not in topics), 1)}
+    read = sum(answer[i] for i in weighted)
+    for part, share in shares.items():
+        assert share["epoch_share"] == pytest.approx(sum(answer[i] for i in weighted if parts[i] == part) / read)
+    assert list(shares) == sorted(shares, key=lambda part: -shares[part]["epoch_share"])
     with pytest.raises(ValueError, match=r"part_weights .*\['written'\].*\['mined', 'topics'\]"):
         weighted_indices(store, train, {"written": 2})
     with pytest.raises(ValueError, match=r"whole numbers >= 1.*'topics': 0"):

@@ -27,6 +27,7 @@ from .trainer import (
     build_draft,
     draft_config_for,
     heldout_tau,
+    part_shares,
     train_loop,
     vocabulary_copy,
     warm_start_draft,
@@ -148,6 +149,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     else:
         records = build_dataset(target, tokenizer, data, work_dir / "data", None if online_features else layer_ids)
     captured = all(r.get("features", {}).get("layer_ids") == list(layer_ids) for r in records)
+    parts = None  # per corpus part: answers, answer tokens, weight, share of an epoch
     target_dtype = str(target.dtype).removeprefix("torch.")
     # States depend on the target's dtype: caches of a float32 and a bfloat16 target must never mix.
     cache_name = "features-" + "-".join(map(str, layer_ids)) + "-" + target_dtype
@@ -161,6 +163,9 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
                                         shards=shards, part_weights=train.part_weights)
         run_dir.mkdir(parents=True, exist_ok=True)
         pinned.write_text(json.dumps(store.names))
+        parts = part_shares(store, store.split(heldout=False), train.part_weights)
+        logger.info("Answer tokens one epoch reads, by part: %s",
+                    ", ".join(f"{name} {part['epoch_share']:.1%}" for name, part in parts.items()))
     elif captured:
         store = ShardedFeatures(records, work_dir / "data" / "features")
     else:
@@ -214,7 +219,11 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         vocab_coverage = coverage(counts, draft.t2d.cpu())
         logger.info("Pruned to %d ids covering %.4f of the assistant tokens", spec.draft_vocab_size, vocab_coverage)
     heldout = heldout_tau(draft, store, measured, train.eval_anchor_chunk)
-    code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in records)
+    used = records
+    if parts is not None:  # the answers of the shards this run read, where a feature budget left some out
+        read = set(store.names)
+        used = [r for r in records if r["shard"] in read]
+    code_prompts = sum(r["source"].startswith(("stdlib-docstring", "mined")) for r in used)
     logger.info("Held-out tau (teacher-forced, greedy): %s", heldout)
     summary = {
         "kind": kind,
@@ -224,7 +233,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
         "corpus": str(corpus) if corpus is not None else None,
         "corpus_shards": ({"used": len(store.stores), "total": len({r["shard"] for r in records})}
                           if corpus is not None and not online_features else None),
-        "prompts": {"code": code_prompts, "topic": len(records) - code_prompts},
+        "prompts": {"code": code_prompts, "topic": len(used) - code_prompts},
+        "parts": parts,
         "train_sequences": len(store.split(heldout=False)),
         "heldout_sequences": len(store.split(heldout=True)),
         "train_tokens_assistant": int(counts.sum()),
@@ -369,16 +379,20 @@ def model_card(summary: dict, evaluation: str = "") -> str:
     if summary.get("corpus"):
         data_line = f"""- Data: the self-distilled corpus `{summary['corpus']}` (`dflash-hf corpus`; its README says what
   went in): {prompts['code']} answers to prompts mined from installed Python packages' docstrings, code and comments
-  and {prompts['topic']} to topic templates, the target's own questions and follow-ups, rewrites and summaries of
-  earlier answers, all answered by the target with its chat template (mostly greedy, some sampled). No MT-Bench or
-  HumanEval prompt was used (a test checks for overlap). The target states it learned from were computed in
-  {summary.get('target_dtype', 'float32')}."""
+  and {prompts['topic']} to topic and task templates, the target's own questions and follow-ups, rewrites and
+  summaries of earlier answers, all answered by the target with its chat template (mostly greedy, some sampled). No
+  MT-Bench or HumanEval prompt was used (a test checks for overlap). The target states it learned from were computed
+  in {summary.get('target_dtype', 'float32')}."""
         weights = train.get("part_weights")
         if weights:
             listed = ", ".join(f"{part} {n} times" for part, n in sorted(weights.items()))
             data_line += f"""
 - Sampling leaned on some parts (`--part-weight`): per epoch each training answer of {listed}, every
   other answer once."""
+        if summary.get("parts"):
+            shares = ", ".join(f"{name} {part['epoch_share']:.0%}" for name, part in summary["parts"].items())
+            data_line += f"""
+- Answer tokens one epoch read, by corpus part: {shares}."""
         shards = summary.get("corpus_shards") or {}
         if shards and shards["used"] < shards["total"]:
             order = ("the weighted parts' shards first, then the others in a fixed shuffled order" if weights else

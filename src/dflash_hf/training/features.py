@@ -123,6 +123,10 @@ class FeatureStore:
     def complete(self) -> bool:
         return progress_count(self.directory) == len(self)
 
+    def answer_tokens(self, index: int) -> int:
+        """How many of the sequence's tokens the loss reads (its answer's)."""
+        return int(self._rows("loss_mask", self.offsets[index], self.offsets[index + 1]).sum())
+
     def sequence(self, index: int) -> dict:
         start, end = self.offsets[index], self.offsets[index + 1]
         item = {name: torch.from_numpy(self._rows(name, start, end)) for name in ARRAYS}
@@ -352,6 +356,10 @@ class ChainedFeatures:
         if self.names is None:
             raise ValueError("These feature stores are not corpus shards: they have no parts.")
         return [shard_part(name) for store, name in zip(self.stores, self.names) for _ in range(len(store))]
+
+    def answer_tokens(self, index: int) -> int:
+        store, local = self._where[index]
+        return store.answer_tokens(local)
 
     def sequence(self, index: int) -> dict:
         store, local = self._where[index]

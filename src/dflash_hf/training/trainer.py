@@ -419,6 +419,23 @@ def weighted_indices(store, indices: list[int], part_weights: dict[str, int]) ->
     return [i for i in indices for _ in range(part_weights.get(parts[i], 1))]
 
 
+def part_shares(store, indices: list[int], part_weights: dict[str, int]) -> dict[str, dict]:
+    """Per corpus part of `indices` (the training answers): how many, their answer tokens, the part's weight, and its
+    share of the answer tokens one weighted epoch reads. A partial feature cache and `part_weights` decide together
+    what a run learns from; this says it before the first step."""
+    parts = store.parts()
+    shares: dict[str, dict] = {}
+    for index in indices:
+        part = shares.setdefault(parts[index], {"answers": 0, "answer_tokens": 0,
+                                                "weight": part_weights.get(parts[index], 1)})
+        part["answers"] += 1
+        part["answer_tokens"] += store.answer_tokens(index)
+    read = sum(part["answer_tokens"] * part["weight"] for part in shares.values())
+    for part in shares.values():
+        part["epoch_share"] = part["answer_tokens"] * part["weight"] / read if read else 0.0
+    return dict(sorted(shares.items(), key=lambda item: -item[1]["epoch_share"]))
+
+
 def step_batch(store, step: int, train_indices: list[int], config: TrainConfig, rank: int = 0,
                world_size: int = 1) -> BlockBatch:
     indices = step_sequences(step, train_indices, config.sequences_per_step, config.seed, rank, world_size)
