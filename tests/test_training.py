@@ -22,6 +22,7 @@ from dflash_hf import DFlash2DraftModel, DFlashContextCache
 from dflash_hf.cli import main as cli_main
 from dflash_hf.modeling_dflash import check_vocab_mapping
 from dflash_hf.training import features, trainer
+from dflash_hf.training.corpus_shards import shard_part
 from dflash_hf.training.data import DataConfig, clean_written_prompt, is_heldout, stdlib_code_prompts
 from dflash_hf.training.features import (
     LOCK_FILE,
@@ -33,6 +34,7 @@ from dflash_hf.training.features import (
     cache_features_by_shard,
     caching_order,
     shard_folders,
+    shuffled,
     target_features,
     teacher_logits,
     write_feature_shard,
@@ -471,19 +473,23 @@ def test_part_weights_repeat_a_corpus_part_within_each_epoch(toy, tmp_path):
                    tmp_path / "run")
 
 
-def test_weighted_parts_get_their_states_first(toy, tmp_path, caplog):
-    """With part weights, the shards of weighted parts are computed first, the heaviest first (what a short
-    `--feature-minutes` budget then caches); the store still reads every shard in the fixed shuffled order, so the
-    held-out answers it measures sample every part. A weight for a part the shards lack is refused before any work."""
+def test_a_partial_cache_holds_the_same_share_of_every_part(toy, tmp_path, caplog):
+    """Shards' states are computed with every part at the same pace, whatever the part weights: a short
+    `--feature-minutes` budget then caches the same share of each part, and an epoch over it reads the parts in the
+    weighted proportions the whole corpus would give (leading with the weighted parts starved the others). The store
+    reads the shards in the fixed shuffled order. A weight for a part the shards lack is refused before any work."""
     target, records = toy
-    names = ["mined-0000", "mined-0001", "topics-0000", "written-0000"]
-    corpus = [{**r, "shard": names[n // 6]} for n, r in enumerate(records[:24])]
+    names = ["mined-0000", "mined-0001", "mined-0002", "mined-0003", "topics-0000", "topics-0001", "written-0000"]
+    corpus = [{**r, "shard": names[n // 4]} for n, r in enumerate(records[:28])]
     with caplog.at_level(logging.INFO, logger=features.__name__):
         store = cache_features_by_shard(target, corpus, LAYERS, tmp_path / "cache",
                                         part_weights={"topics": 2, "written": 3})
     computed = [r.args[0] for r in caplog.records if r.msg.startswith("Target states of shard")]
-    assert computed == ["written-0000", "topics-0000"] + caching_order(["mined-0000", "mined-0001"])
-    assert store.names == caching_order(names) != computed
+    # Each part's shards in shuffled order, taken when its share done falls behind: 1/8 mined, 1/4 topics, 3/8 mined...
+    assert [shard_part(name) for name in computed] == ["mined", "topics", "mined", "written", "mined", "topics", "mined"]
+    for part in ("mined", "topics"):
+        assert [name for name in computed if shard_part(name) == part] == shuffled(n for n in names if part in n)
+    assert computed == caching_order(names) and store.names == shuffled(names) != computed
     with pytest.raises(ValueError, match=r"part_weights .*\['tasks'\].*\['mined', 'topics', 'written'\]"):
         cache_features_by_shard(target, corpus, LAYERS, tmp_path / "refused", part_weights={"tasks": 2})
     assert not (tmp_path / "refused").exists()

@@ -395,11 +395,9 @@ def model_card(summary: dict, evaluation: str = "") -> str:
 - Answer tokens one epoch read, by corpus part: {shares}."""
         shards = summary.get("corpus_shards") or {}
         if shards and shards["used"] < shards["total"]:
-            order = ("the weighted parts' shards first, then the others in a fixed shuffled order" if weights else
-                     "shards go in a fixed shuffled order, so they sample the whole corpus")
             data_line += f"""
 - Trained on {shards['used']} of the corpus's {shards['total']} shards: those whose target states were cached within
-  the run's `--feature-minutes` ({order})."""
+  the run's `--feature-minutes`."""
     budget = (f"{summary['train_sequences']} answers of the corpus" if summary.get("corpus") else
               f"minutes, a few thousand answers of at most {data['max_new_tokens']} tokens")
     return f"""---
@@ -511,8 +509,7 @@ def add_parser(subparsers) -> None:
                              "instructions (avx512_bf16, AMX) more steps per minute (default: no)")
     parser.add_argument("--part-weight", action="append", type=part_weight, default=None, metavar="PART=N",
                         help="with --corpus: list each training answer of a corpus part N times per epoch (repeat "
-                             "for several parts; e.g. topics=3 written=3 to lean towards conversation); with "
-                             "--feature-minutes, the shards of weighted parts get their states computed first")
+                             "for several parts; e.g. topics=3 written=3 to lean towards conversation)")
     for flags in (_DATA_FLAGS, _SPEC_FLAGS, _TRAIN_FLAGS):
         for name, kind in flags.items():
             if name != "mixed_precision":  # declared above, with its choices

@@ -268,11 +268,21 @@ def check_part_weights(parts: set[str], part_weights: dict[str, int]) -> None:
         raise ValueError(f"part_weights (--part-weight) must be whole numbers >= 1; got {bad}.")
 
 
-def caching_order(names, part_weights: dict[str, int] | None = None) -> list[str]:
-    """The order shards' states are computed in: a fixed shuffle, so that a partial cache samples the whole corpus,
-    except that the shards of parts weighted up come first, the heaviest first, since training reads them most."""
-    weights = part_weights or {}
-    return sorted(names, key=lambda name: (-weights.get(shard_part(name), 1), zlib.crc32(name.encode()), name))
+def shuffled(names) -> list[str]:
+    """Shards in a fixed shuffled order: the order a corpus store reads them in, so that its first held-out answers
+    sample every part."""
+    return sorted(names, key=lambda name: (zlib.crc32(name.encode()), name))
+
+
+def caching_order(names) -> list[str]:
+    """The order shards' states are computed in: every part at the same pace (each part's shards shuffled, the parts
+    interleaved by the share of their shards done), so that a partial cache holds the same share of every part and an
+    epoch over it reads the parts, `--part-weight`s included, in the proportions the whole corpus would give."""
+    parts: dict[str, list[str]] = {}
+    for name in shuffled(names):
+        parts.setdefault(shard_part(name), []).append(name)
+    pace = {name: (rank + 0.5) / len(group) for group in parts.values() for rank, name in enumerate(group)}
+    return sorted(names, key=lambda name: (pace[name], zlib.crc32(name.encode()), name))
 
 
 def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], root: Path,
@@ -283,9 +293,9 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
 
     A grown corpus then only computes its new shards, and `train` runs sharing `root` (one per draft kind, a core
     each) split the shards between them through a lock per folder. With `max_minutes`, shards not cached by then are
-    left out of this run; they go in `caching_order` (weighted parts first, then a fixed shuffle). The store reads
-    them in the shuffled order whatever the weights, so the held-out answers it measures stay a sample of every part.
+    left out of this run; they go in `caching_order`, every part at the same pace. The store reads them `shuffled`.
     `shards`: exactly these and no others, whatever the budget (a resumed run keeps the data it started with).
+    `part_weights`: checked against the shards' parts before any state is computed.
     """
     deadline = time.time() + 60 * max_minutes if max_minutes is not None and shards is None else None
     groups = by_shard(records)
@@ -297,7 +307,7 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
         groups = {name: groups[name] for name in shards}
     check_part_weights({shard_part(name) for name in groups}, part_weights or {})
     folders = shard_folders(groups, root)
-    order = caching_order(groups, part_weights)
+    order = caching_order(groups)
 
     def cached(name: str) -> bool:  # the folder's name pins its records, so its progress count says it all
         return progress_count(folders[name]) == len(groups[name])
@@ -316,7 +326,7 @@ def cache_features_by_shard(target, records: list[dict], layer_ids: list[int], r
         if not waiting or (deadline is not None and time.time() > deadline):
             break
         time.sleep(poll_seconds)
-    done = [name for name in caching_order(groups) if cached(name)]  # other runs' shards finished meanwhile included
+    done = [name for name in shuffled(groups) if cached(name)]  # other runs' shards finished meanwhile included
     if not done:
         raise ValueError(f"No shard's features were cached within {max_minutes} minutes; allow more time.")
     if len(done) < len(order):
