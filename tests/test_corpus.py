@@ -480,8 +480,8 @@ def test_train_eval_caches_the_answers_of_each_target_dtype_apart(tiny_pair, tmp
 
 def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_path):
     """`--init-from` with `--rechoose-vocab`: a DSpark draft pruned to 16 ids continues with the 32 this corpus's
-    answers use most (its card says what it had before); without the flag another size is refused, naming it. The
-    continued draft generates exactly the target's tokens."""
+    answers use most (its card says what it had before); without the flag another size is refused, naming it,
+    before the long pass over the target's states. The continued draft generates exactly the target's tokens."""
     from transformers import AutoModel
 
     from dflash_hf.training.cli import train_draft
@@ -503,8 +503,9 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     assert continued["heldout"]["sequences"] == continued["init_from"]["heldout_here"]["sequences"] == 1
     wider = replace(spec, draft_vocab_size=32)
     with pytest.raises(ValueError, match="draft_vocab_size=16, but this run's spec gives 32"):
-        train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "work",
+        train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "refused",
                     init_from=tmp_path / "first", **common)
+    assert not (tmp_path / "refused").exists()  # refused before any target state was computed
     summary = train_draft("dspark", tmp_path / "again", spec=wider, work_dir=tmp_path / "work",
                           init_from=tmp_path / "first", rechoose_vocab=True, **common)
 

@@ -139,6 +139,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     if target is None:
         target, tokenizer = load_target(target_name)
     layer_ids = draft_config_for(target, spec).target_layer_ids
+    # Loaded first, so that a draft of another shape fails here, not after the long pass over features below.
+    draft = None if init_from is None else warm_start_draft(target, spec, init_from, same_vocab_size=not rechoose_vocab)
     run_dir = run_directory(work_dir, kind, out=out, target=target_name, corpus=corpus, init_from=init_from,
                             rechoose_vocab=rechoose_vocab, data=data, spec=spec, train=train)
     # Features come from the generation pass itself unless they must be recomputed online (big targets).
@@ -181,7 +183,6 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     vocab_coverage, previous = None, None
     measured = store.split(heldout=True)[: train.final_eval_sequences or None]  # the same answers before and after
     if init_from is not None:  # its weights and vocabulary, as trained
-        draft = warm_start_draft(target, spec, init_from, same_vocab_size=not rechoose_vocab)
         previous = previous_training(Path(init_from))
         # What it reaches on this data before any step here, for the card beside what it reaches after: with the
         # vocabulary the run ends with, so that pruning is not counted as a loss or a gain of training.
