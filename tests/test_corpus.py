@@ -526,6 +526,40 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
     assert out.tolist() == expected.tolist()
 
 
+def test_a_warm_start_from_a_preset_keeps_the_continued_drafts_shape(tiny_pair, tmp_path, monkeypatch):
+    """`dflash-hf train --init-from D` continues D as it is: where the shape flags are silent, D's own shape wins over
+    the preset's (a shipped draft may have been deepened or given another vocabulary since the preset was written);
+    a flag that disagrees is refused, naming the field, before any target state is computed."""
+    from dflash_hf.training.cli import PRESETS, Preset, continued_shape, train_draft, train_from_preset
+    from dflash_hf.training.data import DataConfig
+
+    target, tokenizer = tiny_pair
+    answered_topics(target, tokenizer, tmp_path / "corpus")
+    saved = DraftSpec(kind="dspark", block_size=4, mask_token_id=VOCAB_SIZE - 1, intermediate_size=48,
+                      target_layer_ids=[1, 2], draft_vocab_size=16, markov_rank=4, num_layers=2)
+    train = TrainConfig(max_steps=2, sequences_per_step=2, anchors_per_sequence=4, eval_every=0, checkpoint_every=100,
+                        final_eval_sequences=1)
+    common = dict(target_name="tiny", target=target, tokenizer=tokenizer, corpus=tmp_path / "corpus",
+                  save_dtype=torch.float32)
+    train_draft("dspark", tmp_path / "first", spec=saved, data=DataConfig(heldout_fraction=0.2), train=train,
+                work_dir=tmp_path / "work", **common)
+    assert continued_shape(tmp_path / "first") == {"block_size": 4, "num_layers": 2, "draft_vocab_size": 16,
+                                                   "markov_rank": 4}
+    # The preset was written for a smaller draft: one layer, 32 ids.
+    monkeypatch.setitem(PRESETS, "tiny", Preset(target="tiny", data=DataConfig(heldout_fraction=0.2),
+                                                drafts={"dspark": replace(saved, num_layers=1, draft_vocab_size=32)},
+                                                train={"dspark": train}))
+    summary = train_from_preset("tiny", "dspark", tmp_path / "continued", work_dir=tmp_path / "work",
+                                init_from=tmp_path / "first", **common)
+    assert summary["steps_run"] == 2
+    config = json.loads((tmp_path / "continued" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["draft_vocab_size"]) == (2, 16)
+    with pytest.raises(ValueError, match="draft_vocab_size=16, but this run's spec gives 32"):
+        train_from_preset("tiny", "dspark", tmp_path / "unused", work_dir=tmp_path / "refused",
+                          init_from=tmp_path / "first", spec_overrides={"draft_vocab_size": 32}, **common)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_continued_dflash2_draft_is_measured_before_and_after_with_the_vocabulary_it_ends_with(tiny_pair, tmp_path):
     """A DFlash 2 draft trains over the whole vocabulary and is pruned at the end; continued, it trains over the whole
     vocabulary again. Its card's "before" must be the draft as shipped (pruned to the same ids), not its unpruned

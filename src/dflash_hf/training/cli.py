@@ -434,20 +434,34 @@ from {vocab}.{heads}
 """
 
 
+def continued_shape(init_from: Path) -> dict:
+    """The shape flags' values (`_SPEC_FLAGS`) of the draft a warm start continues, read from its config: a run
+    continues that draft as it is unless a flag changes it (more layers; another vocabulary with --rechoose-vocab),
+    whatever the preset says (the shipped DSpark draft keeps 8,192 ids, the preset 4,096)."""
+    config_file = Path(init_from) / "config.json"
+    if not config_file.is_file():
+        return {}  # `warm_start_draft` says what is missing
+    config = json.loads(config_file.read_text())
+    keys = {name: "num_hidden_layers" if name == "num_layers" else name for name in _SPEC_FLAGS}
+    return {name: config[key] for name, key in keys.items() if config.get(key) is not None}
+
+
 def train_from_preset(preset_name: str, kind: str, out: Path, work_dir: Path | None = None, command: str | None = None,
                       data_overrides: dict | None = None, spec_overrides: dict | None = None,
                       train_overrides: dict | None = None, **kwargs) -> dict:
-    """`train_draft` with a preset's numbers, each group optionally overridden (dicts of dataclass fields)."""
+    """`train_draft` with a preset's numbers, each group optionally overridden (dicts of dataclass fields); with
+    `init_from`, the draft's shape is the continued draft's (`continued_shape`) where `spec_overrides` is silent."""
     if preset_name not in PRESETS:
         raise ValueError(f"Unknown preset {preset_name!r}; known: {sorted(PRESETS)}.")
     preset = PRESETS[preset_name]
     if kind not in preset.drafts:
         raise ValueError(f"Preset {preset_name!r} has no {kind!r} draft; it has {sorted(preset.drafts)}.")
     kwargs.setdefault("target_name", preset.target)
+    shape = continued_shape(kwargs["init_from"]) if kwargs.get("init_from") is not None else {}
     return train_draft(
         kind, out,
         data=replace(preset.data, **(data_overrides or {})),
-        spec=replace(preset.drafts[kind], **(spec_overrides or {})),
+        spec=replace(preset.drafts[kind], **{**shape, **(spec_overrides or {})}),
         train=replace(preset.train[kind], **(train_overrides or {})),
         work_dir=Path(work_dir) if work_dir else DEFAULT_WORK_ROOT / preset_name,
         command=command, **kwargs,
