@@ -348,6 +348,27 @@ def test_bad_repeats_are_refused(tiny_pair, capsys):
     assert capsys.readouterr().err.count("--repeats") == 2
 
 
+def test_confidence_threshold_sets_what_dspark_drafts(tiny_pair, tmp_path, capsys):
+    """0 drafts every slot of the block (3 of a block of 4) that the token budget allows; 1 leaves nothing to draft, so
+    every step is a plain decode. Both exact."""
+    for threshold, slots in (("0", 3), ("1", 0)):
+        out = tmp_path / f"r{threshold}.json"
+        assert cli.main(_bench_args(tiny_pair, "--paths", "dspark_hf", "--policy", "fixed",
+                                    "--confidence-threshold", threshold, "--json", str(out))) == 0
+        report = json.loads(out.read_text())
+        assert report["exact"] is True and report["settings"]["confidence_threshold"] == float(threshold)
+        steps = 0
+        for record in report["generations"]:
+            run = record["paths"]["dspark_hf"]
+            emitted = 1  # by the prefill
+            for proposed, accepted in zip(run["proposed"], run["acceptance_lengths"]):
+                assert proposed == min(slots, 20 - emitted - 1)  # --max-new-tokens 20; a verify emits one more
+                emitted, steps = emitted + accepted, steps + 1
+        assert steps > 3
+    assert cli.main(_bench_args(tiny_pair, "--confidence-threshold", "1.5")) == 2
+    assert "--confidence-threshold 1.5" in capsys.readouterr().err
+
+
 def test_sampling_runs_without_exactness_claim(tiny_pair, tmp_path):
     out = tmp_path / "r.json"
     assert cli.main(_bench_args(tiny_pair, "--temperature", "0.8", "--max-samples", "1", "--json", str(out))) == 0

@@ -57,7 +57,7 @@ def _paths(target, drafts: dict, settings: BenchSettings, pad_token_id) -> dict:
 
     def speculative(draft, policy):
         ours = copy.deepcopy(config)
-        ours.dflash_policy, ours.dflash_verify_matmul = policy, settings.verify_matmul
+        settings.apply_to(ours, policy)
 
         def run(ids, mask):
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, generation_config=ours)

@@ -38,6 +38,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", choices=POLICIES, default="auto",
                         help="our paths' speculation length: auto (by measured cost), fixed (full blocks), or both")
+    parser.add_argument("--confidence-threshold", type=float, default=None, metavar="P",
+                        help="DSpark's confidence cut for our DSpark paths under the fixed policy: drafting stops before "
+                             "the first slot whose predicted survival is below P (default: the draft's own, 0.1 for "
+                             "the shipped one; 0 drafts full blocks, to measure the draft's acceptance alone)")
     parser.add_argument("--verify-matmul", choices=VERIFY_MATMULS, default="auto",
                         help="our paths' verify forwards on a CPU in float32: auto (2-5 rows weight-first) or linear "
                              "(F.linear, as before)")
@@ -116,6 +120,10 @@ def run(args) -> int:
     if args.repeats < 1 or (args.repeats > 1 and args.batch_size):
         print(f"error: --repeats {args.repeats}: expected a positive count, and 1 with --batch-size", file=sys.stderr)
         return 2
+    if args.confidence_threshold is not None and not 0.0 <= args.confidence_threshold <= 1.0:
+        print(f"error: --confidence-threshold {args.confidence_threshold}: expected a probability in [0, 1]",
+              file=sys.stderr)
+        return 2
     try:
         target, tokenizer, drafts, models = load_models(args.target, args.draft, args.kind, args.dtype)
     except ValueError as error:  # no such draft, or a checkpoint that does not load: one line, no traceback
@@ -136,7 +144,7 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         prompt_lookup_num_tokens=args.prompt_lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS,
         warmup_new_tokens=args.warmup_tokens, policy=args.policy, verify_matmul=args.verify_matmul,
-        repeats=args.repeats,
+        repeats=args.repeats, confidence_threshold=args.confidence_threshold,
     )
     if args.batch_size:
         return _run_batched(args, target, tokenizer, drafts, samples, settings, models)

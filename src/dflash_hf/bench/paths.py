@@ -45,10 +45,18 @@ class BenchSettings:
     policy: str = "auto"
     verify_matmul: str = "auto"  # `dflash_verify_matmul` of our paths
     repeats: int = 1  # runs of every path per turn (interleaved); the fastest is kept
+    confidence_threshold: float | None = None  # `dspark_confidence_threshold` of our paths; None: the draft's own
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    def apply_to(self, config, policy: str) -> None:
+        """Set our generator's settings for this run on a GenerationConfig (they are not its own fields, so
+        `update` would drop them)."""
+        config.dflash_policy, config.dflash_verify_matmul = policy, self.verify_matmul
+        if self.confidence_threshold is not None:
+            config.dspark_confidence_threshold = self.confidence_threshold
 
 
 GenerateFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
@@ -133,7 +141,7 @@ def build_paths(target, drafts: dict[str, torch.nn.Module], settings: BenchSetti
         # deprecates mixing a config with generation arguments.
         config = copy.deepcopy(target.generation_config)
         config.update(**hf, **extra)
-        config.dflash_policy, config.dflash_verify_matmul = policy, settings.verify_matmul
+        settings.apply_to(config, policy)
 
         def generate(ids, mask, n):
             call = copy.copy(config)
