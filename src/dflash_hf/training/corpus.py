@@ -7,6 +7,7 @@ Sources (each a *part* with its own answer shards, see `corpus_shards`):
 - `topics`: our own question templates over seed topics.
 - `tasks`: our own task templates over the same topics: writing in a form or a voice, role-play, word problems, plans,
   comparisons (the kinds of request a chat assistant gets beyond questions).
+- `studies`: our own templates over the same topics for science, reasoning, structured extraction and humanities.
 - `written`: questions the target wrote itself from seed topics (committed, since the target wrote them).
 - `derived-<part>`: follow-up turns, rewrites and summaries over the answers of an earlier shard.
 Every prompt passes `EvalOverlap`, which rejects anything matching MT-Bench or HumanEval text or function names.
@@ -147,6 +148,40 @@ TASK_TEMPLATES = (
     "Give the strongest argument for and the strongest argument against spending more public money on {topic}.",
     "Write a thank-you note to a teacher who made {topic} interesting for you.",
     "Plan the chapters of a beginner's book about {topic}, one line each.",
+)
+
+# Requests of the kinds MT-Bench's first turns were weakest on for the shipped draft (science and engineering,
+# reasoning, structured extraction, humanities), in our own words over the same topics. Frozen once answered, like the
+# others.
+STUDY_TEMPLATES = (
+    "Explain the science behind {topic}: what happens, and why does it happen?",
+    "Which physical, chemical or biological processes play a part in {topic}? Describe each in a few sentences.",
+    "Design a simple experiment a student could run to learn something about {topic}. What would they measure, and "
+    "what result would they expect?",
+    "Explain {topic} to a university student, using the precise technical terms and defining each one.",
+    "Which problems in engineering or medicine has {topic} helped to solve? Give two examples.",
+    "Is there a formula, a law or a rule of thumb that describes part of {topic}? State it and explain each term.",
+    "Invent a logic puzzle about {topic} that has exactly one solution, then solve it, showing every step.",
+    "Someone says that {topic} does not matter at all. Reason step by step about whether they are right.",
+    "Estimate roughly how many people in a city of one million have something to do with {topic} each day. Show "
+    "each assumption and each multiplication.",
+    "Name three things that can go wrong with {topic}, and reason out the most likely cause of each.",
+    "Write four true-or-false statements about {topic}, then give the right answer to each with a reason.",
+    "What came first, what came later and what came last in the development of {topic}? Explain the order.",
+    "Write a short paragraph about {topic}, then list every name, place, date and number in it as a JSON object.",
+    "Give a small table of key facts about {topic} in CSV format, starting with a header row.",
+    "Describe {topic} as a YAML record with the fields name, field_of_study, summary and related_subjects.",
+    "List five terms connected to {topic} as a JSON array of objects with the keys \"term\" and \"meaning\".",
+    "Name four aspects of {topic} and sort each into one of the groups science, history, culture or daily life. "
+    "Explain each choice in one line.",
+    "On a scale from 1 to 10, how hard is {topic} to learn for a child, a teenager and an adult? Answer as a JSON "
+    "object with a score and a reason for each.",
+    "How has {topic} shaped the culture and society of different countries?",
+    "Which ethical questions does {topic} raise? Discuss two of them from both sides.",
+    "How might a philosopher such as Aristotle or Confucius have thought about {topic}?",
+    "What are the effects of {topic} on the budgets of ordinary households and on the wider economy?",
+    "Which customs or manners around {topic} differ from one country to another? Give examples.",
+    "Recommend three books or films that would help someone understand {topic}, and say what each one offers.",
 )
 
 DERIVED_FOLLOW_UPS = (
@@ -352,6 +387,10 @@ def topic_items(topics=TOPICS) -> list[dict]:
 
 def task_items(topics=TOPICS) -> list[dict]:
     return _template_items("task", TASK_TEMPLATES, topics)
+
+
+def study_items(topics=TOPICS) -> list[dict]:
+    return _template_items("study", STUDY_TEMPLATES, topics)
 
 
 def written_items(records: list[dict]) -> list[dict]:

@@ -26,9 +26,10 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 # About 60-90 prompts a shard: minutes of one CPU core each. Never change a count: it decides which shard holds what.
-SHARDS = {"mined": 1024, "topics": 96, "written": 32, "tasks": 96}
+SHARDS = {"mined": 1024, "topics": 96, "written": 32, "tasks": 96, "studies": 96}
 BASE_PARTS = tuple(SHARDS)
-PREFIX_PARTS = {"mined": "mined", "topic": "topics", "written": "written", "task": "tasks"}  # item id prefix -> part
+PREFIX_PARTS = {"mined": "mined", "topic": "topics", "written": "written", "task": "tasks",
+                "study": "studies"}  # item id prefix -> part
 WRITTEN_FILE = "written_prompts.jsonl"
 WRITTEN_PROMPTS = 1000  # the target's own questions: they cost generation, so a modest share
 DEFAULT_CORPUS_DIR = Path("data") / "smollm2-135m"
@@ -158,6 +159,8 @@ class Corpus:
                 items = corpus.topic_items()
             elif part == "tasks":
                 items = corpus.task_items()
+            elif part == "studies":
+                items = corpus.study_items()
             else:
                 items = corpus.written_items(read_jsonl(self.directory / WRITTEN_FILE))
             items = corpus.finalize(items, self.overlap, self.stats)
