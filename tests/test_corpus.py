@@ -154,7 +154,8 @@ def test_overlap_check_fails_on_every_eval_prompt():
     humaneval = next(iter(load_samples("humaneval")[0])).turns[0]
     edited = humaneval.replace("given", "provided").replace("numbers", "values") + "\nThanks."
     assert overlap.reason(edited)
-    for template_item in corpus.topic_items()[:200] + corpus.task_items()[:200] + corpus.study_items()[:200]:
+    templated = corpus.topic_items()[:200] + corpus.task_items()[:200] + corpus.study_items()[:200]
+    for template_item in templated:  # every template, a few topics
         assert overlap.reason(template_item["messages"][0]["content"]) is None
 
 
@@ -292,7 +293,7 @@ def test_each_part_builds_its_own_prompts_and_fills_every_shard():
     built = shards.Corpus(REPO_CORPUS)
     built._overlap = NoOverlap()
     assert set(shards.PREFIX_PARTS.values()) == set(shards.BASE_PARTS)
-    for part in ("topics", "written", "tasks", "studies"):  # mined takes minutes to build: the slow test below covers it
+    for part in ("topics", "written", "tasks", "studies"):  # mined takes minutes: the slow test below covers it
         items = [entry for shard in built.part(part).values() for entry in shard]
         assert all(shards.PREFIX_PARTS[entry["id"].split(":", 1)[0]] == part for entry in items), part
         assert {shards.shard_of(entry["id"], part) for entry in items} == set(range(shards.SHARDS[part])), part
