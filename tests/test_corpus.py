@@ -3,6 +3,7 @@
 import copy
 import importlib.util
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -483,8 +484,9 @@ def test_train_eval_caches_the_answers_of_each_target_dtype_apart(tiny_pair, tmp
 
 def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_path):
     """`--init-from` with `--rechoose-vocab`: a DSpark draft pruned to 16 ids continues with the 32 this corpus's
-    answers use most (its card says what it had before); without the flag another size is refused, naming it,
-    before the long pass over the target's states. The continued draft generates exactly the target's tokens."""
+    answers use most, counted over every shard even where only some have cached states (its card says what it had
+    before); without the flag another size is refused, naming it, before the long pass over the target's states. The
+    continued draft generates exactly the target's tokens."""
     from transformers import AutoModel
 
     from dflash_hf.training.cli import train_draft
@@ -509,12 +511,20 @@ def test_a_continued_dspark_draft_chooses_its_vocabulary_again(tiny_pair, tmp_pa
         train_draft("dspark", tmp_path / "unused", spec=wider, work_dir=tmp_path / "refused",
                     init_from=tmp_path / "first", **common)
     assert not (tmp_path / "refused").exists()  # refused before any target state was computed
-    summary = train_draft("dspark", tmp_path / "again", spec=wider, work_dir=tmp_path / "work",
-                          init_from=tmp_path / "first", rechoose_vocab=True, **common)
-
+    # A partial cache, as a `--feature-minutes` budget leaves one: the run reads one shard fewer.
     records = shards.load_corpus_records(tmp_path / "corpus", tokenizer, heldout_fraction=0.2)
-    counts = RecordFeatures(records, [1, 2]).token_counts(VOCAB_SIZE)
-    kept = most_frequent_ids(counts, 32, always_keep={tokenizer.eos_token_id})
+    dropped = records[0]["shard"]
+    cached = [folder for folder in (tmp_path / "work").glob("features-*-corpus/*") if folder.is_dir()]
+    assert len(cached) > 1
+    shutil.rmtree(next(folder for folder in cached if folder.name.startswith(dropped + "-")))
+    summary = train_draft("dspark", tmp_path / "again", spec=wider, work_dir=tmp_path / "work",
+                          init_from=tmp_path / "first", rechoose_vocab=True, feature_minutes=0, **common)
+    assert summary["corpus_shards"]["used"] == len(cached) - 1
+
+    keep_eos = {tokenizer.eos_token_id}
+    kept = most_frequent_ids(RecordFeatures(records, [1, 2]).token_counts(VOCAB_SIZE), 32, always_keep=keep_eos)
+    counts = RecordFeatures([r for r in records if r["shard"] != dropped], [1, 2]).token_counts(VOCAB_SIZE)
+    assert not torch.equal(kept, most_frequent_ids(counts, 32, always_keep=keep_eos))  # the two choices differ
     first = AutoModel.from_pretrained(tmp_path / "first")
     draft = AutoModel.from_pretrained(tmp_path / "again")
     assert draft.t2d.nonzero().flatten().tolist() == kept.tolist()

@@ -19,7 +19,7 @@ import torch
 
 from .corpus_shards import load_corpus_records
 from .data import DataConfig, build_dataset, eos_ids
-from .features import OnlineFeatures, ShardedFeatures, cache_features, cache_features_by_shard
+from .features import OnlineFeatures, RecordFeatures, ShardedFeatures, cache_features, cache_features_by_shard
 from .trainer import (
     DraftSpec,
     TrainConfig,
@@ -127,8 +127,8 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     train on the answer shards of that folder (`dflash-hf corpus`) instead of generating data; their features are
     computed here. `init_from`: a saved draft of the same shape to continue from (a new schedule over
     `train.max_steps` more steps);
-    `rechoose_vocab`: a DSpark one's pruned vocabulary is chosen again from this data (`spec.draft_vocab_size` ids),
-    as DFlash and DFlash 2 drafts' always is.
+    `rechoose_vocab`: a DSpark one's pruned vocabulary is chosen again from every training answer of the data,
+    cached or not (`spec.draft_vocab_size` ids), as DFlash and DFlash 2 drafts' always is.
     `feature_minutes`: with `corpus`, compute features of uncached shards for at most this long, then train on the
     cached ones (`cache_features_by_shard`).
     """
@@ -177,8 +177,11 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     pruned_in_training = pruned and spec.kind == "dspark"  # DFlash and DFlash 2 are pruned after training
     keep_eos = eos_ids(tokenizer, target)
     counts = store.token_counts(vocab_size)  # of the training answers' tokens: ids and masks only, cheap
+    # A pruned vocabulary is ranked on every training answer, cached or not: a partial cache is a sample, too small to
+    # rank the rarer ids a wide vocabulary keeps. Coverage is stated on what the run read.
+    vocab_counts = RecordFeatures(records, layer_ids).token_counts(vocab_size)
     # DFlash and DFlash 2 train over the whole vocabulary and keep these ids (the answers' most frequent) at the end.
-    final_ids = (most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos)
+    final_ids = (most_frequent_ids(vocab_counts, spec.draft_vocab_size, always_keep=keep_eos)
                  if pruned and not pruned_in_training else None)
     vocab_coverage, previous = None, None
     measured = store.split(heldout=True)[: train.final_eval_sequences or None]  # the same answers before and after
@@ -199,13 +202,14 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
                 previous["vocab_here"] = {"draft_vocab_size": draft.config.draft_vocab_size, "coverage": vocab_coverage}
                 logger.info("Re-choosing the vocabulary: %d ids covered %.4f here", draft.config.draft_vocab_size,
                             vocab_coverage)
-                draft = vocabulary_copy(draft, most_frequent_ids(counts, spec.draft_vocab_size, always_keep=keep_eos))
+                kept = most_frequent_ids(vocab_counts, spec.draft_vocab_size, always_keep=keep_eos)
+                draft = vocabulary_copy(draft, kept)
                 draft.bind_target(target)
                 vocab_coverage = coverage(counts, draft.t2d.cpu())
     else:
         mapping = None
         if pruned_in_training:
-            mapping = build_vocab_mapping(counts, spec.draft_vocab_size, always_keep=keep_eos)
+            mapping = build_vocab_mapping(vocab_counts, spec.draft_vocab_size, always_keep=keep_eos)
             vocab_coverage = coverage(counts, mapping[1])
         draft = build_draft(target, spec, mapping, seed=train.seed)
         if spec.balance_fc_init:
@@ -316,8 +320,9 @@ def vocabulary_change(previous: dict | None) -> str:
     before = (previous or {}).get("vocab_here")
     if not before:
         return ""
-    return (f"- Its pruned vocabulary was chosen again from this run's answers: before, {before['draft_vocab_size']} "
-            f"ids covering {before['coverage']:.2%} of their tokens (ids kept again kept their Markov rows, new ones "
+    return (f"- Its pruned vocabulary was chosen again from every training answer of its data (the shards it read "
+            f"and any whose states were not cached): before, {before['draft_vocab_size']} ids covering "
+            f"{before['coverage']:.2%} of the tokens this run read (ids kept again kept their Markov rows, new ones "
             "started with none).\n")
 
 
@@ -512,9 +517,9 @@ def add_parser(subparsers) -> None:
                              "must match the run's, except that --num-layers may add layers (they start as "
                              "identities, so it first drafts as before)")
     parser.add_argument("--rechoose-vocab", action="store_true",
-                        help="with --init-from a DSpark draft: choose its pruned vocabulary again from this run's "
-                             "answers (--draft-vocab-size ids; kept ids keep their Markov rows). DFlash and DFlash 2 "
-                             "drafts choose theirs after every training anyway")
+                        help="with --init-from a DSpark draft: choose its pruned vocabulary again from the training "
+                             "answers of every shard, cached or not (--draft-vocab-size ids; kept ids keep their "
+                             "Markov rows). DFlash and DFlash 2 drafts choose theirs after every training anyway")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help="the target's dtype: auto (bfloat16 where fast), float32, ...")
     parser.add_argument("--device", default=None, help="where the target answers and the draft trains (default: "
