@@ -179,7 +179,7 @@ def train_draft(kind: str, out: Path, *, target_name: str, data: DataConfig, spe
     counts = store.token_counts(vocab_size)  # of the training answers' tokens: ids and masks only, cheap
     # A pruned vocabulary is ranked on every training answer, cached or not: a partial cache is a sample, too small to
     # rank the rarer ids a wide vocabulary keeps. Coverage is stated on what the run read.
-    vocab_counts = RecordFeatures(records, layer_ids).token_counts(vocab_size)
+    vocab_counts = RecordFeatures(records, layer_ids).token_counts(vocab_size) if pruned else None
     # DFlash and DFlash 2 train over the whole vocabulary and keep these ids (the answers' most frequent) at the end.
     final_ids = (most_frequent_ids(vocab_counts, spec.draft_vocab_size, always_keep=keep_eos)
                  if pruned and not pruned_in_training else None)
