@@ -14,6 +14,8 @@
 # about once (a corpus in minutes of a GPU), it skips a pass over the data and tens of GB of cache.
 # WORK=DIR puts the work folder elsewhere; PACK_TO=DIR leaves the drafts there as 15 MiB pieces of one tar, and the log.
 # SIZE=tiny shrinks everything, for a dry run of this script on a CPU.
+# TRAIN_ARGS="..." passes further `dflash-hf train` flags, last so they win (e.g. "--rechoose-vocab --draft-vocab-size
+# 16384" to widen a continued draft's vocabulary).
 # On a lent GPU, scripts/device_pack.sh says how the wheels, target and corpus get there; `--setup` keeps them in
 # $SITE (the corpus as $SITE/corpus).
 set -euo pipefail
@@ -61,6 +63,7 @@ fi
 [ -z "${SEQS:-}" ] || steps+=(--sequences-per-step "$SEQS")
 [ -z "${LAYERS:-}" ] || steps+=(--num-layers "$LAYERS")
 [ -z "${ONLINE:-}" ] || steps+=(--online-features)
+read -ra extra <<< "${TRAIN_ARGS:-}"
 if [ -n "${PACK_TO:-}" ]; then mkdir -p "$PACK_TO" && exec > >(tee "$PACK_TO/train.log") 2>&1; fi
 for kind in "${KINDS[@]}"; do
   case "$kind" in
@@ -72,6 +75,7 @@ for kind in "${KINDS[@]}"; do
   [ -z "${CORPUS:-}" ] || source=(--corpus "$CORPUS" --init-from "src/dflash_hf/drafts/smollm2-135m-$kind"
                                   --learning-rate 5e-4)
   "$PYTHON" -m dflash_hf.cli train --preset smollm2-135m --kind "$kind" --dtype bfloat16 \
-    --out "$OUT/smollm2-135m-$kind" --work-dir "$WORK" "${source[@]}" "${steps[@]}" --anchors-per-sequence "$anchors"
+    --out "$OUT/smollm2-135m-$kind" --work-dir "$WORK" "${source[@]}" "${steps[@]}" --anchors-per-sequence "$anchors" \
+    "${extra[@]}"
 done
 [ -z "${PACK_TO:-}" ] || (cd "$OUT" && tar -cf - "${KINDS[@]/#/smollm2-135m-}" | split -b 15M -d - "$PACK_TO/drafts.tar.part-")

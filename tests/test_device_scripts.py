@@ -52,3 +52,15 @@ def test_setup_reassembles_the_target_across_calls_and_refuses_a_damaged_half(tm
     arrive(repo, "two", {**second, "target.part-01": bytes(damaged)})
     result = setup(repo, tmp_path / "site-2")
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
+
+
+def test_train_args_reach_dflash_hf_train(tmp_path):
+    """TRAIN_ARGS is how a GPU run takes a flag the script has no variable for; an unknown one must be `train`'s
+    own error, not silently dropped."""
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh"), str(tmp_path / "out")], cwd=ROOT,
+                            env={**os.environ, "PYTHON": sys.executable, "SIZE": "tiny", "SITE": str(tmp_path / "site"),
+                                 "TRAIN_ARGS": "--draft-vocab-size 64 --no-such-flag"},
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "unrecognized arguments: --no-such-flag" in result.stderr
+    assert not (tmp_path / "out").exists()
