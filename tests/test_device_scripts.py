@@ -1,6 +1,6 @@
 """`scripts/gpu_train.sh --setup`, the lent GPU's side of scripts/device_pack.sh: the target arrives in two halves,
 one per 64 MiB device call, each call's tree lacking what the one before carried; it must be put back bit for bit,
-or the run must stop."""
+or the run must stop. And the script's TRAIN_ARGS, which must reach `dflash-hf train` word by word."""
 
 import hashlib
 import os
