@@ -127,6 +127,10 @@ def test_select_samples_round_robin():
     samples = [bench.Sample(str(i), c, ["t"]) for i, c in enumerate("aaabbc")]
     assert [s.id for s in bench.select_samples(samples, 4)] == ["0", "3", "5", "1"]
     assert len(bench.select_samples(samples, None)) == 6
+    # Parts of a split run follow one order: together they are the whole set, each prompt once.
+    assert [s.id for s in bench.select_samples(samples, 2, skip=4)] == ["4", "2"]
+    assert [s.id for s in bench.select_samples(samples, None, skip=3)] == ["1", "4", "2"]
+    assert bench.select_samples(samples, None, skip=6) == []
 
 
 def test_jsonl_records():
@@ -346,6 +350,20 @@ def test_bad_repeats_are_refused(tiny_pair, capsys):
     assert cli.main(_bench_args(tiny_pair, "--repeats", "0")) == 2
     assert cli.main(_bench_args(tiny_pair, "--repeats", "2", "--batch-size", "2")) == 2
     assert capsys.readouterr().err.count("--repeats") == 2
+
+
+def test_bad_sample_counts_are_refused(tiny_pair, capsys):
+    for flags in (("--max-samples", "0"), ("--skip-samples", "-1"), ("--skip-samples", "3")):
+        assert cli.main(_bench_args(tiny_pair, *flags)) == 2
+        assert flags[0] in capsys.readouterr().err
+
+
+def test_skip_samples_runs_the_next_part(tiny_pair, tmp_path):
+    out = tmp_path / "r.json"
+    assert cli.main(_bench_args(tiny_pair, "--paths", "dspark_hf", "--skip-samples", "2", "--json", str(out))) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["dataset"]["skipped"] == 2 and report["settings"]["dataset"]["samples"] == 1
+    assert [g["sample"] for g in report["generations"]] == ["2"]  # round-robin: chat (line 0), code, chat (line 2)
 
 
 def test_confidence_threshold_sets_what_dspark_drafts(tiny_pair, tmp_path, capsys):

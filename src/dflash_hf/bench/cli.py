@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
                         help="which embedded drafts to bench when --draft is not given (both: dflash and dspark; all: "
                              "dflash2 too)")
     parser.add_argument("--max-samples", type=int, default=None)
+    parser.add_argument("--skip-samples", type=int, default=0, metavar="N",
+                        help="leave out the first N prompts of the same order, to split a long run into parts "
+                             "(--skip-samples 40 --max-samples 40 runs what follows --max-samples 40)")
     parser.add_argument("--block-size", type=int, default=None, help="override the drafts' block size")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactness is then enforced)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -116,7 +119,14 @@ def run(args) -> int:
     except DatasetUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    samples = select_samples(all_samples, args.max_samples)
+    if args.max_samples is not None and args.max_samples < 1:
+        print(f"error: --max-samples {args.max_samples}: expected a positive count", file=sys.stderr)
+        return 2
+    samples = select_samples(all_samples, args.max_samples, max(args.skip_samples, 0))
+    if args.skip_samples < 0 or not samples:
+        print(f"error: --skip-samples {args.skip_samples}: expected a count from 0 to {len(all_samples) - 1} "
+              f"(the prompts of {args.dataset})", file=sys.stderr)
+        return 2
     if args.repeats < 1 or (args.repeats > 1 and args.batch_size):
         print(f"error: --repeats {args.repeats}: expected a positive count, and 1 with --batch-size", file=sys.stderr)
         return 2
@@ -169,7 +179,7 @@ def run(args) -> int:
     dataset = {"name": Path(args.dataset).name if args.dataset not in BUILTIN_DATASETS else args.dataset,
                "source": source, "samples": len(samples), "available": len(all_samples),
                "turns": sum(len(s.turns) for s in samples), "generations": len(records),
-               "selection": "round-robin over categories, first items first"}
+               "skipped": args.skip_samples, "selection": "round-robin over categories, first items first"}
     machine["load_average_1m_end"] = _load_average()
     report = build_report(records, paths, skipped, settings, dataset, models, machine)
     print(format_table(report))

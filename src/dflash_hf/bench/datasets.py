@@ -93,20 +93,16 @@ def load_samples(dataset: str) -> tuple[list[Sample], str]:
     return samples_from_records(_read_jsonl(path), str(path)), str(path)
 
 
-def select_samples(samples: list[Sample], max_samples: int | None) -> list[Sample]:
-    """The first `max_samples`, taken round-robin over categories (first-seen order) so a small run still covers
-    every category instead of only the first one (MT-Bench is sorted by category)."""
-    if max_samples is None or max_samples >= len(samples):
+def select_samples(samples: list[Sample], max_samples: int | None, skip: int = 0) -> list[Sample]:
+    """`max_samples` after the first `skip`, taken round-robin over categories (first-seen order) so a small run still
+    covers every category instead of only the first one (MT-Bench is sorted by category). `skip` splits a long run
+    into parts with the same order: `skip=40, max_samples=40` is what follows `max_samples=40`."""
+    if skip == 0 and (max_samples is None or max_samples >= len(samples)):
         return list(samples)
     by_category: dict[str, list[Sample]] = {}
     for sample in samples:
         by_category.setdefault(sample.category, []).append(sample)
     queues = list(by_category.values())
-    chosen: list[Sample] = []
-    depth = 0
-    while len(chosen) < max_samples:
-        for queue in queues:
-            if depth < len(queue) and len(chosen) < max_samples:
-                chosen.append(queue[depth])
-        depth += 1
-    return chosen
+    depths = range(max((len(queue) for queue in queues), default=0))
+    order = [queue[depth] for depth in depths for queue in queues if depth < len(queue)]
+    return order[skip:None if max_samples is None else skip + max_samples]
