@@ -122,11 +122,11 @@ def run(args) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         print(f"error: --max-samples {args.max_samples}: expected a positive count", file=sys.stderr)
         return 2
-    samples = select_samples(all_samples, args.max_samples, max(args.skip_samples, 0))
-    if args.skip_samples < 0 or not samples:
+    if not 0 <= args.skip_samples < len(all_samples):
         print(f"error: --skip-samples {args.skip_samples}: expected a count from 0 to {len(all_samples) - 1} "
               f"(the prompts of {args.dataset})", file=sys.stderr)
         return 2
+    samples = select_samples(all_samples, args.max_samples, args.skip_samples)
     if args.repeats < 1 or (args.repeats > 1 and args.batch_size):
         print(f"error: --repeats {args.repeats}: expected a positive count, and 1 with --batch-size", file=sys.stderr)
         return 2
