@@ -1,4 +1,4 @@
-"""`dflash-hf` command line: generate | bench | convert | train | corpus | prune-vocab | upload | demo.
+"""`dflash-hf` command line: generate | bench | convert | train | corpus | prune-vocab | average | upload | demo.
 
 Each subcommand lives in the module that does the work and registers itself through `add_parser(subparsers)`;
 this file only collects them.
@@ -10,7 +10,8 @@ import sys
 
 # module -> subcommand(s) it registers; a module that is not there yet simply adds nothing.
 SUBCOMMAND_MODULES = ("dflash_hf.generate_cli", "dflash_hf.formats", "dflash_hf.bench", "dflash_hf.training.cli",
-                      "dflash_hf.training.corpus_cli", "dflash_hf.training.vocab", "dflash_hf.hub_upload", "dflash_hf.demo")
+                      "dflash_hf.training.corpus_cli", "dflash_hf.training.vocab", "dflash_hf.training.average",
+                      "dflash_hf.hub_upload", "dflash_hf.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

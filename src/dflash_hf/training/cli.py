@@ -282,6 +282,10 @@ def previous_training(path: Path) -> dict:
     earlier = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     train = earlier.get("train", {})
     layers = json.loads((path / "config.json").read_text()).get("num_hidden_layers")
+    if earlier.get("averaged"):  # `dflash-hf average`: the chain goes on through the first draft it averaged
+        return {"path": str(path), "num_layers": layers, "command": earlier.get("command"),
+                "averaged": [{"path": a["path"], "weight": a["weight"]} for a in earlier["averaged"]],
+                "init_from": earlier["averaged"][0].get("training")}
     return {"path": str(path), "num_layers": layers, "steps": earlier.get("steps_run") or train.get("max_steps"),
             "sequences_per_step": train.get("sequences_per_step"),
             "anchors_per_sequence": train.get("anchors_per_sequence"),
@@ -294,6 +298,12 @@ def training_history(previous: dict | None) -> str:
     that run continued and the run that made it."""
     lines = []
     while previous:
+        if previous.get("averaged"):
+            parts = ", ".join(f"`{a['path']}` ({a['weight']:.2f})" for a in previous["averaged"])
+            lines.append(f"- Continued from `{previous['path']}`, the weight average of {parts} "
+                         f"(`{previous['command']}`); the lines below follow the first of them.")
+            previous = previous.get("init_from")
+            continue
         batch = (f" of {previous['sequences_per_step']} x {previous['anchors_per_sequence']}"
                  if previous.get("sequences_per_step") else "")
         data = (f" on {previous['train_tokens_assistant']} assistant tokens"
