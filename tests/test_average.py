@@ -29,7 +29,7 @@ def test_average_is_the_weighted_mean_and_generates_losslessly(tmp_path, capsys)
     first.save_pretrained(tmp_path / "a")
     second.save_pretrained(tmp_path / "b")
     summary = {"steps_run": 7, "train": {"sequences_per_step": 2, "anchors_per_sequence": 4}, "hardware": "a test",
-               "train_tokens_assistant": 99, "command": "made a", "init_from": None}
+               "train_tokens_assistant": 99, "command": "made a", "init_from": None, "target": "tiny"}
     (tmp_path / "a" / "training_summary.json").write_text(json.dumps(summary))
     args = ["average", "--draft", str(tmp_path / "a"), "--draft", str(tmp_path / "b"), "--weight", "3", "--weight", "1",
             "--out", str(tmp_path / "soup")]
@@ -51,6 +51,7 @@ def test_average_is_the_weighted_mean_and_generates_losslessly(tmp_path, capsys)
     assert soup.generation_stats["acceptance_lengths"]  # it drafted
 
     card = (tmp_path / "soup" / "README.md").read_text()
+    assert "# DSPARK draft for tiny: the weight average of 2 drafts" in card
     assert f"| `{tmp_path / 'a'}` | 0.750 | 7 steps of 2 x 4 on 99 assistant tokens on a test (`made a`) |" in card
     assert f"| `{tmp_path / 'b'}` | 0.250 | no training summary |" in card
     # A warm start from the average names it, then follows the first draft it averaged.

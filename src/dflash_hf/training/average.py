@@ -98,11 +98,12 @@ def average_card(summary: dict) -> str:
     first = summary["averaged"][0].get("training") or {}
     history = training_history(first.get("init_from"))
     earlier = f"\nThe training the first of them continued, newest first:\n{history}" if history else ""
+    target = f" for {summary['target']}" if summary.get("target") else ""
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, {summary['kind']}, dflash-hf]
 ---
-# {summary['kind'].upper()} draft: the weight average of {len(summary['averaged'])} drafts
+# {summary['kind'].upper()} draft{target}: the weight average of {len(summary['averaged'])} drafts
 
 `dflash-hf average` made this draft from the weights of the drafts below, tensor by tensor in float32 (stored in
 {summary['dtype']}). They share one shape and one pruned vocabulary. Drafts continued from one draft stay close in
@@ -119,6 +120,9 @@ Generation with it is lossless like with any draft: the target verifies every to
 ## Measured
 Averaging measures nothing. `dflash-hf train-eval --draft DRAFT --dataset humaneval --dataset mt-bench` gives its
 teacher-forced tau beside the drafts it averages, `dflash-hf bench --draft DRAFT` its tau and speed in generation.
+
+## Limits
+- Made for the target its drafts were trained for; useless with another one.
 """
 
 
@@ -144,7 +148,10 @@ def run_average(args) -> int:
     weights = args.weight or [1.0] * len(drafts)
     flags = [flag for path in args.draft for flag in ("--draft", path)]
     flags += [flag for w in args.weight or () for flag in ("--weight", f"{w:g}")]
-    summary = {"kind": soup.config.model_type, "dtype": str(next(soup.parameters()).dtype).removeprefix("torch."),
+    first_summary = Path(args.draft[0]) / "training_summary.json"
+    target = json.loads(first_summary.read_text()).get("target") if first_summary.is_file() else None
+    summary = {"kind": soup.config.model_type, "target": target,
+               "dtype": str(next(soup.parameters()).dtype).removeprefix("torch."),
                "command": shlex.join(["dflash-hf", "average", *flags, "--out", str(args.out)]),
                "averaged": [ingredient(path, w / sum(weights)) for path, w in zip(args.draft, weights)]}
     with atomic_folder(args.out, args.overwrite) as staging:
