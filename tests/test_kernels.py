@@ -107,6 +107,7 @@ def test_hub_repo_layout(tmp_path):
     the variants build.toml declares."""
     from kernels import Metadata
     from kernels._rust import Build  # the `kernels` parser of build.toml: rejects unknown fields and editions
+    from kernels._rust import Digest, DigestAlgorithm
 
     repo = write_hub_repo(tmp_path / "repo")
     assert (repo / "README.md").read_text().startswith("---")
@@ -127,6 +128,8 @@ def test_hub_repo_layout(tmp_path):
         assert metadata["backend"]["type"] == backend and parsed.version == general["version"]
         assert (str(parsed.name), parsed.license) == (general["name"], general["license"])
         ids.add(parsed.id)
+        # The integrity record `kernels` checks the variant's files against (and warns about when absent).
+        assert parsed.digest.files == Digest.hash_variant(DigestAlgorithm.SHA256, folder).files
         assert {p.name for p in folder.glob("*.py")} == source_names
         assert (folder / "__init__.py").read_bytes() == (KERNEL_SOURCE / "__init__.py").read_bytes()
     assert len(ids) == 2
@@ -168,3 +171,11 @@ def test_remote_code_file_stays_standalone():
     for name in REMOTE_CODE_FILES + DFLASH2_CODE_FILES:
         imports = set(get_imports(package / name)) - set(sys.stdlib_module_names)
         assert imports <= {"torch", "transformers"}, (name, imports)
+
+
+def test_installed_kernels_is_one_transformers_own_integration_accepts():
+    """The `kernels` range in pyproject.toml lies inside what transformers' kernel integration takes, so Hub kernels
+    that transformers maps itself (`use_kernel_forward_from_hub`, `kernelize`) run beside ours."""
+    from transformers.utils import is_kernels_available
+
+    assert is_kernels_available()

@@ -425,7 +425,7 @@ def _build(args, dest: Path) -> tuple[Path, dict]:
         from .kernels.hub import api_version
 
         # `kernels.get_kernel(repo, version=N)` resolves the branch `vN`; main keeps the card and the newest build.
-        # kernels 0.17 looks kernels up as Hub repos of type "kernel".
+        # `kernels` looks kernels up as Hub repos of type "kernel".
         return build_kernel_repo(dest), {"repo_type": "kernel", "branches": (f"v{api_version()}",)}
     return build_space_repo(dest, args.repo_id, args.target, args.draft, args.license), {"repo_type": "space",
                                                                                         "space_sdk": "gradio"}

@@ -11,6 +11,7 @@ the declaration and the folders cannot disagree. `shipped_kernel_repo()` writes 
 `kernels.get_local_kernel`, which is how the package loads its kernels without the Hub.
 """
 
+import base64
 import hashlib
 import json
 import logging
@@ -91,7 +92,19 @@ def api_version() -> int:
 VARIANTS = {f"torch-{backend}": backend for backend in read_build_toml()["general"]["backends"]}
 
 
-def variant_metadata(config: dict, backend: str, digest: str) -> dict:
+# Bumped whenever `variant_metadata` writes something new, so that local builds cached under an older layout are
+# rebuilt rather than reused.
+METADATA_LAYOUT = 2
+
+
+def file_digests(files: list[Path]) -> dict:
+    """`kernels` >= 0.19's integrity record of a build variant: base64 SHA-256 of each file, by name (its loader
+    checks the files against it, and warns when a variant has none)."""
+    return {"algorithm": "sha256",
+            "files": {p.name: base64.b64encode(hashlib.sha256(p.read_bytes()).digest()).decode() for p in files}}
+
+
+def variant_metadata(config: dict, backend: str, digest: str, files: list[Path]) -> dict:
     general = config["general"]
     return {
         # The loader registers the module under this id, so it must be unique per source and backend.
@@ -101,6 +114,7 @@ def variant_metadata(config: dict, backend: str, digest: str) -> dict:
         "license": general["license"],
         "python-depends": general.get("python-depends", []),
         "backend": {"type": backend},
+        "digest": file_digests(files),
     }
 
 
@@ -134,7 +148,7 @@ def build_variants(project: Path) -> Path:
         folder.mkdir(parents=True)
         for path in files:
             shutil.copy2(path, folder / path.name)
-        metadata = variant_metadata(config, backend, digest)
+        metadata = variant_metadata(config, backend, digest, files)
         (folder / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     return project
 
@@ -166,7 +180,7 @@ def shipped_kernel_repo() -> Path:
     """A local build of the shipped kernel source for `kernels.get_local_kernel`, written once per source hash."""
     digest = source_digest()
     for root in (_cache_root(), Path(tempfile.gettempdir()) / "dflash_hf_kernels"):
-        target = root / digest[:16]
+        target = root / f"{digest[:16]}-m{METADATA_LAYOUT}"
         if (target / "build").is_dir():
             return target
         try:
