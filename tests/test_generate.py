@@ -279,8 +279,15 @@ def test_draft_that_does_not_fit_the_target_is_refused(field, value):
     draft = random_dflash(other)
     if field == "target_hidden_size":
         draft.config.target_hidden_size = value
+    tokenizers = {}
+    if field == "vocab_size":
+        # transformers' own assistant check speaks first (the vocabularies differ, so it asks for both tokenizers);
+        # given them, the call reaches the draft's generator, which names the field.
+        with pytest.raises(ValueError, match="different tokenizers"):
+            greedy(target, torch.tensor([[3, 4]]), max_new_tokens=4, assistant_model=draft)
+        tokenizers = {"tokenizer": object(), "assistant_tokenizer": object()}
     with pytest.raises(ValueError, match=f"`{field}`"):
-        greedy(target, torch.tensor([[3, 4]]), max_new_tokens=4, assistant_model=draft)
+        greedy(target, torch.tensor([[3, 4]]), max_new_tokens=4, assistant_model=draft, **tokenizers)
 
 
 def test_layer_ids_and_mask_outside_the_target_are_refused():
@@ -299,10 +306,10 @@ def test_hook_is_idempotent_and_leaves_other_assistants_alone(tmp_path):
     from transformers import GenerationMixin
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    import dflash_hf.modeling_dflash as modeling
+    from dflash_hf import generation_dflash
 
     hooked = GenerationMixin._get_candidate_generator
-    modeling.install_generate_hook()
+    generation_dflash.install_generate_hook()
     target = tiny_target("llama", vocab_size=SMALL_VOCAB)
     random_dflash(target).save_pretrained(tmp_path)
     # A second copy of the module, imported as remote code, installs nothing new and its draft still drafts.

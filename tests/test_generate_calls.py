@@ -1,6 +1,8 @@
 """Each generate call owns its generator, capture and books: output options, threads sharing one draft, failures
 part-way, and the transformers API the hook wraps."""
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 
 from dflash_hf import generation_dflash
-from dflash_hf.generation_dflash import PATCHED_METHODS, check_patchable
+from dflash_hf.generation_dflash import PATCHED_METHODS, DFlashCandidateGenerator, check_patchable
 from tiny import random_dflash, random_dspark, tiny_target
 
 
@@ -148,33 +150,39 @@ def test_our_settings_are_generate_keyword_arguments():
                           dflash_policy="fixed")
     assert torch.equal(out, expected)
     assert [step["k"] for step in draft.generation_stats["policy"]][:3] == [2, 2, 2]  # fixed: full blocks of 3
-    assert not hasattr(target.generation_config, "dflash_block_size")  # this call only
+    assert target.generation_config.dflash_block_size is None  # this call only
     with pytest.raises(ValueError, match="dflash_polcy"):
         target.generate(ids, max_new_tokens=4, assistant_model=draft, dflash_polcy="fixed")
 
 
 def test_the_wrapped_generation_api_is_checked():
-    """The installed transformers has every method and parameter the hook wraps; a release without them is named."""
+    """The installed transformers has every method and parameter the hook wraps; a release without them is named,
+    with its version and the method."""
     check_patchable()  # the installed version
+    assert sorted(PATCHED_METHODS) == ["_assisted_decoding", "_get_candidate_generator"]
     for name in PATCHED_METHODS:
         assert getattr(getattr(GenerationMixin, name), "_dflash_hook", False), name
+    for name in ("_prepare_generation_config", "_validate_generation_mode", "_sample"):
+        assert not hasattr(getattr(GenerationMixin, name), "_dflash_hook"), name  # left as transformers has them
 
     class Renamed:
         def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
                                      model_kwargs, assistant=None):
             pass
 
-        def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    class FrozenConfig:
+        def update(self, defaults_only=False):
             pass
 
     import transformers
 
     with pytest.raises(RuntimeError) as error:
-        check_patchable(Renamed)
+        check_patchable(Renamed, FrozenConfig)
     message = str(error.value)
-    assert transformers.__version__ in message
-    assert "`_assisted_decoding` is missing" in message
-    assert "`_get_candidate_generator` has no parameter(s) assistant_model" in message
+    assert f"transformers {transformers.__version__}" in message
+    assert "`GenerationMixin._assisted_decoding` is missing" in message
+    assert "`GenerationMixin._get_candidate_generator` has no parameter(s) assistant_model" in message
+    assert "`GenerationConfig.update` takes no keyword arguments" in message
     assert generation_dflash.install_generate_hook  # the hook stays installed for the supported version
 
 
@@ -192,3 +200,45 @@ def test_hook_capture_records_only_its_own_threads_forwards():
         assert set(capture._captured) == {1, 2}
     finally:
         capture.close()
+
+
+@pytest.mark.parametrize("lookup,expected", [(0, 5), (3, 5), (9, 9)])
+def test_num_drafting_tokens_is_the_longest_proposal_a_step_can_make(lookup, expected):
+    """transformers >= 5.25 keeps this many recurrent states for rollback: a block's slots (6 - 1 for the DFlash
+    layout), or the prompt-lookup length when larger."""
+    target = tiny_target("llama")
+    draft = random_dflash(target, block_size=6, layer_ids=[1, 2])
+    config = GenerationConfig(prompt_lookup_num_tokens=lookup or None, max_length=64)
+    generator = DFlashCandidateGenerator(draft, target, config, input_ids=torch.tensor([[1, 5, 7]]))
+    try:
+        assert generator.num_drafting_tokens == expected
+    finally:
+        generator.capture.close()
+
+
+def test_the_hook_is_installed_by_a_draft_not_by_importing_its_code(tmp_path):
+    """Remote code without the package: importing the saved `modeling_dflash.py` changes nothing in transformers;
+    loading the draft installs the hook, and `generate` then drafts with it."""
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    random_dflash(target, layer_ids=[1, 2]).save_pretrained(tmp_path / "draft")
+    script = f"""
+import json, pathlib, sys, torch
+from transformers import AutoModelForCausalLM, GenerationMixin
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+folder = {str(tmp_path / "draft")!r}
+auto_map = json.loads(pathlib.Path(folder, "config.json").read_text())["auto_map"]
+cls = get_class_from_dynamic_module(auto_map["AutoModel"], folder)
+assert "dflash_hf" not in sys.modules
+assert not hasattr(GenerationMixin._get_candidate_generator, "_dflash_hook")
+draft = cls.from_pretrained(folder)
+assert GenerationMixin._get_candidate_generator._dflash_hook and GenerationMixin._assisted_decoding._dflash_hook
+target = AutoModelForCausalLM.from_pretrained({str(tmp_path / "target")!r})
+ids = torch.tensor([[1, 5, 7]])
+expected = target.generate(ids, do_sample=False, max_new_tokens=8)
+assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=draft), expected)
+assert draft.generation_stats["draft_forwards"] > 0
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

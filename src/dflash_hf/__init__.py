@@ -43,6 +43,7 @@ def _register() -> None:
 
 
 _register()
+install_generate_hook()  # what `import dflash_hf` promises; docs/transformers_patches.md lists what it changes
 
 __all__ = [
     "DFLASH2_CODE_FILES",

@@ -16,9 +16,12 @@ own ids (as plain generate would have them at that length), a row stops at its E
 finished rows are padded with `pad_token_id` to the batch's common length.
 """
 
+import inspect
+import logging
 import time
 
 import torch
+from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -40,6 +43,24 @@ COMPACT_HOLE_FRACTION = 0.5
 # Logits processors that treat every row alone and ignore the ids: applied to all rows and positions in one call.
 ROW_WISE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+logger = logging.getLogger(__name__)
+# The cache's name among generate's model kwargs and `prepare_inputs_for_generation`'s parameters: transformers 5.24
+# renamed `past_key_values` to `cache`.
+CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
+    else "past_key_values"
+
+
+def note_nonfinite_draft(draft, stats: dict) -> None:
+    """Count a step whose draft logits held NaN or inf (it became a plain decode) and warn once per draft."""
+    stats["nonfinite_steps"] += 1
+    if not getattr(draft, "_warned_nonfinite", False):
+        draft._warned_nonfinite = True
+        logger.warning(
+            "The draft %s (%s) produced NaN or inf logits; those steps decode without it (the output stays the "
+            "target's). `generation_stats['nonfinite_steps']` counts them. Check the draft's weights and dtype (float16 "
+            "overflows where bfloat16 does not).", getattr(draft, "name_or_path", "") or "(unnamed)",
+            type(draft).__name__)
 
 
 def check_batchable(target, generation_config, logits_processor, streamer, synced_gpus: bool, cache) -> None:
@@ -85,14 +106,19 @@ def right_aligned(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index, new_valid
 
 
-def speculative_accept(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor,
+                       uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan et al.'s rejection step for every row: p [B, k+1, V] target probabilities, q [B, k, V] the draft's,
-    candidates [B, k] drawn from q. Returns (accepted count n [B], the token after them [B]: from (p - q)+ at the first
-    rejection, from p after a fully accepted block). Each row's emitted tokens are then distributed as p's."""
+    candidates [B, k] drawn from q, `uniforms` [B, k] the draws r in [0, 1) (fresh ones by default). Returns (accepted
+    count n [B], the token after them [B]: from (p - q)+ at the first rejection, from p after a fully accepted block).
+    Each row's emitted tokens are then distributed as p's."""
     batch, k = candidates.shape
     p_tok = p[:, :k].gather(-1, candidates[..., None])[..., 0]
     q_tok = q.gather(-1, candidates[..., None])[..., 0]
-    accepted = torch.rand_like(p_tok) * q_tok <= p_tok  # r <= p/q without dividing by a zero q
+    r = torch.rand_like(p_tok) if uniforms is None else uniforms
+    # r < p/q, as transformers >= 5.25 has it (accepts with probability exactly p/q, never a token p rules out),
+    # without dividing by a zero q
+    accepted = r * q_tok < p_tok
     n = accepted.to(torch.long).cumprod(1).sum(1)
     rows = torch.arange(batch, device=p.device)
     p_next = p[rows, n]
@@ -138,8 +164,8 @@ class BatchedSpeculation:
         self.model_kwargs = model_kwargs
         # What every verify forward passes on unchanged (the prefill's mask, positions and cache are replaced per step).
         self.step_kwargs = {key: value for key, value in model_kwargs.items()
-                            if key not in ("attention_mask", "position_ids", "cache")}
-        self.cache = model_kwargs["cache"]
+                            if key not in ("attention_mask", "position_ids", CACHE_KWARG)}
+        self.cache = model_kwargs[CACHE_KWARG]
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         max_length = generation_config.max_length
@@ -158,7 +184,7 @@ class BatchedSpeculation:
         self.draft_cache = draft.new_context_cache()
         self.stats = {
             "batch_size": batch, "target_forwards": 0, "draft_forwards": 0, "drafted_tokens": 0,
-            "accepted_tokens": 0, "policy": [], "compactions": 0,
+            "accepted_tokens": 0, "policy": [], "compactions": 0, "nonfinite_steps": 0,
             "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
             "rows": [{"acceptance_lengths": []} for _ in range(batch)],
         }
@@ -208,8 +234,8 @@ class BatchedSpeculation:
         block = torch.cat([last[:, None], candidates], 1)
         positions = next_pos[:, None] + torch.arange(k + 1, device=block.device)
         mask = torch.cat([self.valid, self.valid.new_ones(len(rows), k + 1)], 1).long()
-        inputs = self.target.prepare_inputs_for_generation(block, cache=self.cache, attention_mask=mask,
-                                                           position_ids=positions, **self.step_kwargs)
+        inputs = self.target.prepare_inputs_for_generation(block, attention_mask=mask, position_ids=positions,
+                                                           **{CACHE_KWARG: self.cache}, **self.step_kwargs)
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = k + 1
         inputs |= self.capture.model_kwargs_overrides
@@ -261,6 +287,9 @@ class BatchedSpeculation:
         )
         self.context_columns, self.pending = self.valid.shape[1], None
         self.stats["draft_forwards"] += 1
+        if not proposal.finite:
+            note_nonfinite_draft(self.draft, self.stats)
+            return last.new_zeros(rows, 0), None, float(rows), None, False
         self.policy.observe_draft("draft", slots, time.perf_counter() - begin)
         confidence = None
         if proposal.confidence is not None and self.policy.adaptive:
@@ -417,7 +446,7 @@ def batched_speculation(target, input_ids, logits_processor, stopping_criteria, 
     the call's stats)."""
     for name in ("inputs_tensor", "assistant_tokenizer", "tokenizer"):
         model_kwargs.pop(name, None)
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(CACHE_KWARG)
     check_batchable(target, generation_config, logits_processor or [], streamer, synced_gpus, cache)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and bool((mask[:, -1] == 0).any()):
@@ -434,4 +463,5 @@ def batched_speculation(target, input_ids, logits_processor, stopping_criteria, 
     return sequences, stats
 
 
-__all__ = ["BatchedSpeculation", "batched_speculation", "check_batchable", "right_aligned", "speculative_accept"]
+__all__ = ["BatchedSpeculation", "batched_speculation", "check_batchable", "note_nonfinite_draft", "right_aligned",
+           "speculative_accept"]

@@ -1,8 +1,8 @@
 """Generation: target-state capture, the candidate generator and the hook behind `generate(assistant_model=draft)`.
 
 A Hub remote-code file (torch and transformers only). It knows drafts by duck typing (`_is_dflash_block_drafter`,
-`propose`, `new_context_cache`), so it never imports the models: `modeling_dflash.py` imports it and
-installs the hook.
+`propose`, `new_context_cache`), so it never imports the models. `import dflash_hf` and every draft's constructor
+install the hook (`install_generate_hook`).
 
 Everything a generate call creates (the generator, its target-state capture, its books) belongs to that call: the
 hook finds the call's generator through a context variable, closes its capture whatever raised, and hands the
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .batching_dflash import batched_speculation
+from .batching_dflash import batched_speculation, note_nonfinite_draft
 from .policy_dflash import LengthPolicy, measured_costs
 from .verify_matmul import set_verifying, verify_matmuls
 
@@ -226,6 +226,7 @@ def _new_stats() -> dict:
         "cost_estimates_ms": {},
         "time_s": {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "total": 0.0},
         "kernels": "torch",
+        "nonfinite_steps": 0,  # steps whose draft logits held NaN or inf: decoded without the draft
     }
 
 
@@ -362,6 +363,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         )
         self.pending.clear()
         self.stats["draft_forwards"] += 1
+        if not proposal.finite:
+            note_nonfinite_draft(self.draft, self.stats)
+            return self._propose(input_ids, input_ids[:, :0], None, now, None, 1.0, None)
         drafted = time.perf_counter() - now
         self.policy.observe_draft("draft", slots, drafted)
         confidence = None
@@ -375,6 +379,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if proposal.draft_logits is not None and draft_ids.shape[1]:
             logits = proposal.draft_logits[:, : draft_ids.shape[1]].to(input_ids.device)
         return self._propose(input_ids, draft_ids, logits, now, "draft", expected, seconds, probe)
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one step can propose: a block's slots, or the prompt-lookup length when larger
+        (transformers >= 5.25 keeps that many recurrent states of a stateful target's cache for rollback)."""
+        return max(self.max_slots, self.lookup_tokens)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         pass
@@ -455,19 +465,23 @@ class _GenerateCall:
 
 _current_call: contextvars.ContextVar = contextvars.ContextVar("dflash_generate_call", default=None)
 
-# What the hook wraps, with the parameters it relies on; checked at install, so a transformers release that renames
-# them fails loudly at import instead of silently bypassing the draft.
+# The private transformers methods the hook wraps, with the parameters it relies on; checked at install, so a
+# release that renames them fails loudly at import instead of silently bypassing the draft. docs/transformers_patches.md
+# says why each is needed and what upstream change would remove it.
 PATCHED_METHODS = {
-    "_prepare_generation_config": ("generation_config", "kwargs"),
+    # The candidate-generator factory: returns the draft's own generator (B = 1, on transformers' assisted loop).
     "_get_candidate_generator": ("generation_config", "input_ids", "inputs_tensor", "logits_processor",
                                  "model_kwargs", "assistant_model"),
-    "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
-    "_assisted_decoding": ("input_ids", "assistant_model"),
+    # The assisted decoding method: B > 1 goes to the batched loop; B = 1 runs transformers' own loop inside the
+    # call's scope (verify matmuls, the capture's hooks removed whatever raised, the call's stats handed back).
+    "_assisted_decoding": ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer",
+                           "assistant_model"),
 }
 
 
-# Our generation settings, taken as `generate` keyword arguments too (`generate(..., dflash_policy="fixed")`), as
-# transformers takes its own; it would otherwise reject them as unused model kwargs.
+# Our generation settings. They become `GenerationConfig` class attributes (default None), so that
+# `GenerationConfig.update` (public: it takes the kwargs that match existing attributes) takes them from `generate`
+# keyword arguments (`generate(..., dflash_policy="fixed")`) as it takes transformers' own.
 GENERATION_SETTINGS = ("dflash_policy", "dflash_block_size", "dspark_confidence_threshold", "dflash_verify_matmul")
 
 
@@ -475,49 +489,48 @@ def _is_block_drafter(model) -> bool:
     return getattr(model, "_is_dflash_block_drafter", False)
 
 
-def check_patchable(mixin=GenerationMixin) -> None:
-    """Raise, naming the transformers version, when a method the hook wraps is missing or lost a parameter."""
+def check_patchable(mixin=GenerationMixin, config_class=GenerationConfig) -> None:
+    """Raise, naming the transformers version and the method, when a method the hook wraps is missing or lost a
+    parameter, or when `GenerationConfig.update` no longer takes our settings."""
     import transformers
 
     problems = []
     for name, params in PATCHED_METHODS.items():
         method = getattr(mixin, name, None)
         if method is None:
-            problems.append(f"`{name}` is missing")
+            problems.append(f"`GenerationMixin.{name}` is missing")
             continue
         method = getattr(method, "__wrapped__", method)
         missing = [p for p in params if p not in inspect.signature(method).parameters]
         if missing:
-            problems.append(f"`{name}` has no parameter(s) {', '.join(missing)}")
+            problems.append(f"`GenerationMixin.{name}` has no parameter(s) {', '.join(missing)}")
+    update = getattr(config_class, "update", None)
+    if update is None or "kwargs" not in inspect.signature(update).parameters:
+        problems.append("`GenerationConfig.update` takes no keyword arguments")
     if problems:
         raise RuntimeError(
             f"dflash: transformers {transformers.__version__} changed the generation API the `generate` hook wraps "
-            f"({'; '.join(problems)}); install a supported release (see the package's `transformers` pin)."
+            f"({'; '.join(problems)}); install a supported release (see the package's `transformers` range)."
         )
 
 
 def install_generate_hook() -> None:
-    """Make `target.generate(..., assistant_model=draft)` use the draft's own candidate generator, and take our
-    generation settings (`GENERATION_SETTINGS`) as keyword arguments.
+    """Make `target.generate(..., assistant_model=draft)` use the draft's own candidate generator (B = 1) or the
+    batched loop (B > 1), and take our generation settings (`GENERATION_SETTINGS`) as keyword arguments.
 
-    Idempotent (the first installer wins, whichever module it came from, since the dispatch goes through the draft's
-    own `make_candidate_generator`); every other assistant type, and `speculation_type="dflash"`, keep transformers'
-    own behaviour.
+    Called by `import dflash_hf` and by every draft's constructor (so remote-code drafts install it too).
+    Idempotent: the first installer wins, whichever copy of this module it came from, since the dispatch goes through
+    the draft's own `make_candidate_generator`. Every other assistant type, and `speculation_type="dflash"`, keep
+    transformers' own behaviour.
     """
     if getattr(GenerationMixin._get_candidate_generator, "_dflash_hook", False):
         return
     check_patchable()
-    original_prepare = GenerationMixin._prepare_generation_config
+    for name in GENERATION_SETTINGS:
+        if not hasattr(GenerationConfig, name):
+            setattr(GenerationConfig, name, None)
     original_get = GenerationMixin._get_candidate_generator
-    original_validate = GenerationMixin._validate_generation_mode
     original_assisted = GenerationMixin._assisted_decoding
-
-    def _prepare_generation_config(self, generation_config, **kwargs):
-        ours = {name: kwargs.pop(name) for name in GENERATION_SETTINGS if name in kwargs}
-        generation_config, model_kwargs = original_prepare(self, generation_config, **kwargs)
-        for name, value in ours.items():
-            setattr(generation_config, name, value)
-        return generation_config, model_kwargs
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, *args, **kwargs):
@@ -530,12 +543,6 @@ def install_generate_hook() -> None:
             return generator
         return original_get(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                             assistant_model, *args, **kwargs)
-
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        drafter = generation_mode_kwargs.get("assistant_model")
-        if _is_block_drafter(drafter):
-            check_draft_fits_target(drafter.config, self.config)
-        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
         if not _is_block_drafter(assistant_model):
@@ -575,12 +582,8 @@ def install_generate_hook() -> None:
             result.generation_stats = stats
         return result
 
-    for name, wrapper in (
-        ("_prepare_generation_config", _prepare_generation_config),
-        ("_get_candidate_generator", _get_candidate_generator),
-        ("_validate_generation_mode", _validate_generation_mode),
-        ("_assisted_decoding", _assisted_decoding),
-    ):
+    for name, wrapper in (("_get_candidate_generator", _get_candidate_generator),
+                          ("_assisted_decoding", _assisted_decoding)):
         wrapper._dflash_hook = True
         wrapper.__wrapped__ = getattr(GenerationMixin, name)
         setattr(GenerationMixin, name, wrapper)

@@ -3,7 +3,7 @@
 A Hub remote-code file: it imports only torch, transformers and its siblings (`configuration_dflash.py`,
 `layers_dflash.py`, `kernels_dflash.py`, `generation_dflash.py`), so a draft saved by `save_pretrained` runs with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and `target.generate(assistant_model=draft)` where the
-`dflash_hf` package is not installed. Importing it installs the `generate` hook (see `generation_dflash.py`).
+`dflash_hf` package is not installed. Constructing a draft installs the `generate` hook (see `generation_dflash.py`).
 
 Two facts live here once, for generation, training and the kernel references alike: `encode_context` (target states
 -> per-layer context K/V) and `markov_walk` (DSpark's left-to-right walk, sampled or teacher-forced); the third,
@@ -53,6 +53,21 @@ class DraftProposal:
     draft_ids: torch.Tensor  # [B, n]
     draft_logits: torch.Tensor | None  # [B, n, vocab_size] (target vocabulary), None when not needed
     confidence: torch.Tensor | None = None  # [B, n_computed]
+    finite: bool = True  # False: the draft's logits held NaN or inf this step, and it proposes nothing
+
+
+def nonfinite_proposal(logits: torch.Tensor, anchor_ids: torch.Tensor, vocab_size: int,
+                       need_logits: bool) -> DraftProposal | None:
+    """An empty proposal when a block's logits hold NaN or inf (an fp16 overflow, a broken fine-tune), else None.
+
+    Sampling from such logits fails inside `torch.multinomial` (a device assert on CUDA), and as q they would poison
+    rejection sampling; proposing nothing makes the step a plain decode, so the target's output stays exact.
+    """
+    if bool(torch.isfinite(logits).all()):
+        return None
+    empty = anchor_ids.new_zeros(anchor_ids.shape[0], 0)
+    return DraftProposal(empty, logits.new_zeros(anchor_ids.shape[0], 0, vocab_size) if need_logits else None,
+                         finite=False)
 
 
 def markov_walk(
@@ -131,6 +146,10 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        install_generate_hook()  # idempotent; how a remote-code draft teaches `generate` about itself
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -537,6 +556,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         first = self.config.block_size - self.config.num_speculative_slots  # DFlash layout: slot 0 is the anchor
         hidden = hidden[:, first : first + max_slots if max_slots else None]
         base = self.logits(hidden).float()
+        if (broken := nonfinite_proposal(base, anchor_ids, self.config.vocab_size, need_logits)) is not None:
+            return broken
         walks = self.markov_head is not None or self.confidence_head is not None
         if walks:
             walked = markov_walk_kernel(self._kernel_path, self, hidden, base, anchor_ids, logits_processor,
@@ -739,8 +760,6 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: 
         raise ValueError("`d2t` and `t2d` disagree: arange(draft_vocab_size) + d2t must equal nonzero(t2d).")
 
 
-install_generate_hook()
-
 __all__ = [
     "CompiledDraftStep",
     "DFlashContextCache",
@@ -751,5 +770,6 @@ __all__ = [
     "check_finite_weights",
     "check_vocab_mapping",
     "markov_walk",
+    "nonfinite_proposal",
     "vocab_maps",
 ]

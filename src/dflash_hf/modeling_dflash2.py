@@ -24,7 +24,7 @@ from torch import nn
 from .configuration_dflash2 import DFlash2Config
 from .kernels_dflash import selector_walk_kernel
 from .layers_dflash import DFlashDecoderLayer
-from .modeling_dflash import DFlashDraftModel, DraftProposal
+from .modeling_dflash import DFlashDraftModel, DraftProposal, nonfinite_proposal
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Grouped dynamic causal convolution
@@ -236,6 +236,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         hidden = hidden[:, first : first + max_slots if max_slots else None]
         logits = self.logits(hidden).float()  # over the draft vocabulary (the kept ids when pruned)
         vocab_size = self.config.vocab_size
+        if (broken := nonfinite_proposal(logits, anchor_ids, vocab_size, need_logits)) is not None:
+            return broken
         selector = self.candidate_selector
         unary, candidates = selector.candidates(logits)
         candidates = self.to_target_ids(candidates)  # the codebooks, the walk and q speak target ids
