@@ -9,7 +9,7 @@ from transformers import AutoModel
 
 from dflash_hf import cli
 from dflash_hf.training.average import average_drafts
-from dflash_hf.training.cli import previous_training, training_history
+from dflash_hf.training.cards import previous_training, training_history
 from tiny import random_dflash, random_dspark, tiny_target
 
 KEPT = torch.arange(0, 96, 2)  # a pruned vocabulary of 48 ids

@@ -573,7 +573,7 @@ def test_resume_after_kill_continues_identically(toy, tmp_path, kind):
 
 
 def test_warm_start_continues_a_saved_draft_and_refuses_another_shape(toy, tmp_path):
-    from dflash_hf.training.cli import previous_training, training_history
+    from dflash_hf.training.cards import previous_training, training_history
 
     target, records = toy
     store = cache_features(target, records, LAYERS, tmp_path / "features")
@@ -633,7 +633,7 @@ def test_warm_start_of_a_pruned_dflash2_draft_trains_over_the_whole_vocabulary(t
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash2"])
 def test_a_warm_start_with_more_layers_drafts_as_before_and_trains_its_new_layers(toy, tmp_path, kind):
-    from dflash_hf.training.cli import depth_change, previous_training
+    from dflash_hf.training.cards import depth_change, previous_training
 
     target, records = toy
     store = cache_features(target, records, LAYERS, tmp_path / "features")

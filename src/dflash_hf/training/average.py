@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .cards import previous_training, training_history
+
 # Config fields that say where or how a draft was saved, not what it computes.
 PROVENANCE_FIELDS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 
@@ -70,7 +72,6 @@ def average_drafts(drafts: list, weights: list[float] | None = None):
 def ingredient(path: str, weight: float) -> dict:
     """One averaged draft as the summary records it: its weight and, for a local folder, how it was made (its
     training summary, read by `previous_training`, so a later warm start can follow the chain)."""
-    from .cli import previous_training
 
     made = previous_training(Path(path)) if Path(path).is_dir() else None
     return {"path": path, "weight": weight, "training": made}
@@ -92,7 +93,6 @@ def made_line(record: dict) -> str:
 
 def average_card(summary: dict) -> str:
     """The averaged draft's README: what it averages, with which weights, and how each was made."""
-    from .cli import training_history
 
     rows = "".join(f"| `{a['path']}` | {a['weight']:.3f} | {made_line(a)} |\n" for a in summary["averaged"])
     first = summary["averaged"][0].get("training") or {}
