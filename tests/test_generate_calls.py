@@ -242,3 +242,34 @@ print("ok")
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def _recurrent_targets():
+    from transformers import MambaConfig, MambaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    yield MambaForCausalLM(MambaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, state_size=4,
+                                       intermediate_size=64, conv_kernel=4)).eval()
+    yield Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_targets_with_recurrent_layers_are_refused_by_name(batch):
+    """transformers >= 5.25 assists stateful targets (it keeps recurrent states to roll back); block speculation does
+    not roll them back yet, so such a target is refused, naming its layer types, before anything runs. (Before 5.25
+    transformers' own check refuses stateful models first.)"""
+    import transformers
+    from packaging.version import Version
+
+    ours = "linear_attention.*cannot be cropped back"
+    expected = ours if Version(transformers.__version__) >= Version("5.25") else f"{ours}|stateful models"
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])[:batch]
+    for target in _recurrent_targets():
+        draft = random_dflash(target, layer_ids=[0, 1], block_size=4)
+        with pytest.raises(ValueError, match=expected):
+            target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4,
+                            assistant_model=draft)
