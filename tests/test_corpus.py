@@ -382,7 +382,7 @@ def test_follow_ups_of_mined_prompts_are_rebuilt_not_stored(tiny_pair, tmp_path)
     follow_ups = [r for r in derived if r["source"] == "derived:follow-up"]
     assert follow_ups and all(r["prompt_ids"] is None for r in follow_ups)  # they quote the mined prompt
     assert all(r["prompt_ids"] is not None for r in derived if r["source"] != "derived:follow-up")
-    fresh = prefilled_corpus(tmp_path, {"mined": mined})  # a later session: nothing cached
+    fresh = prefilled_corpus(tmp_path, {"mined": mined})  # a later run: nothing cached
     records = {r["id"]: r for r in shards.load_corpus_records(tmp_path, tokenizer, corpus_obj=fresh)}
     assert len(records) == len(mined) + len(derived)
     for record in follow_ups:
@@ -399,7 +399,8 @@ def test_train_command_trains_on_a_corpus(tiny_pair, tmp_path, kind):
     reloads pruned and generates exactly the target's tokens."""
     from transformers import AutoModel
 
-    from dflash_hf.training.cli import model_card, train_draft
+    from dflash_hf.training.cards import model_card
+    from dflash_hf.training.cli import train_draft
     from dflash_hf.training.data import DataConfig
 
     target, tokenizer = tiny_pair
@@ -604,7 +605,7 @@ def test_a_continued_dflash2_draft_is_measured_before_and_after_with_the_vocabul
 
 
 def test_a_resumed_run_keeps_the_shards_it_started_with(tiny_pair, tmp_path):
-    """The corpus grows between sessions; the same `train` command run again resumes its run on the shards that run
+    """The corpus grows between runs; the same `train` command run again resumes its run on the shards that run
     started with (a replay, not a run whose data changed under its checkpoint), while a new run takes every shard."""
     from dflash_hf.training.cli import RUN_SHARDS_FILE, train_draft
     from dflash_hf.training.data import DataConfig

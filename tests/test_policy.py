@@ -149,9 +149,9 @@ def test_a_size_cheaper_than_its_neighbours_is_found():
 
 
 def test_a_size_measured_in_a_slow_moment_is_measured_again():
-    """Session 33's run L: the 2-row verify was measured dear in the first steps (above the decode) and, never chosen
-    again, never measured again, so a good draft proposed two or four tokens a step where one wins. A size left
-    unchosen for COST_REFRESH_STEPS steps is measured again, and wins from then on."""
+    """A 2-row verify measured dear in the first steps (above the decode) and never chosen again would never be
+    measured again, so a good draft would propose two or four tokens a step where one wins. A size left unchosen for
+    COST_REFRESH_STEPS steps is measured again, and wins from then on."""
     machine = {1: 56, 2: 47, 3: 70, 4: 80, 5: 90, 6: 95, 7: 100, 8: 110}
     policy = LengthPolicy(costs({**machine, 2: 90}), max_slots=7)
     for _ in range(50):

@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
                              "the shipped one; 0 drafts full blocks, to measure the draft's acceptance alone)")
     parser.add_argument("--verify-matmul", choices=VERIFY_MATMULS, default="auto",
                         help="our paths' verify forwards on a CPU in float32: auto (2-5 rows weight-first) or linear "
-                             "(F.linear, as before)")
+                             "(F.linear for every verify)")
     parser.add_argument("--paths", nargs="+", default=None, metavar="NAME",
                         help="run only these paths beside the baseline (e.g. dspark_hf dflash2_hf; names as in the "
                              "table)")

@@ -281,7 +281,7 @@ _WARM_START_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hid
 
 def warm_start_draft(target, spec: DraftSpec, path: Path, same_vocab_size: bool = True) -> DFlashDraftModel:
     """The draft saved in `path` (weights and, for DSpark, its pruned vocabulary), to train further, e.g. a shipped
-    draft continued on a larger corpus in a later session. Its config must match the draft `spec` describes (named
+    draft continued on a larger corpus later. Its config must match the draft `spec` describes (named
     field by field), so a warm start never silently trains another shape, except that `spec` may ask for more layers
     (`deepened_copy`); `same_vocab_size=False` when the caller chooses its vocabulary again (`vocabulary_copy`)."""
     wanted = draft_config_for(target, spec)
