@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .configuration_dflash import DFlashConfig
@@ -146,7 +147,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-class DFlashDecoderLayer(nn.Module):
+class DFlashDecoderLayer(GradientCheckpointingLayer):
+    """Attention over context and block, then the MLP, each pre-normed. Recomputed in the backward pass under
+    `draft.gradient_checkpointing_enable()` (transformers' layer mechanism; non-reentrant, so the context K/V tuple
+    keeps its gradients)."""
+
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)

@@ -142,7 +142,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
     config_class = DFlashConfig
     base_model_prefix = "dflash"
     main_input_name = "noise_embeds"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
