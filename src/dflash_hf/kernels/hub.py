@@ -104,7 +104,8 @@ def file_digests(files: list[Path]) -> dict:
             "files": {p.name: base64.b64encode(hashlib.sha256(p.read_bytes()).digest()).decode() for p in files}}
 
 
-def variant_metadata(config: dict, backend: str, digest: str, files: list[Path]) -> dict:
+def variant_metadata(config: dict, backend: str, digest: str, integrity: dict) -> dict:
+    """A build variant's metadata.json; `integrity` is `file_digests` of its files (the same in every variant)."""
     general = config["general"]
     return {
         # The loader registers the module under this id, so it must be unique per source and backend.
@@ -114,7 +115,7 @@ def variant_metadata(config: dict, backend: str, digest: str, files: list[Path])
         "license": general["license"],
         "python-depends": general.get("python-depends", []),
         "backend": {"type": backend},
-        "digest": file_digests(files),
+        "digest": integrity,
     }
 
 
@@ -141,6 +142,7 @@ def build_variants(project: Path) -> Path:
     source = project / "torch-ext" / module_name(config)
     files = package_files(source, config)
     digest = _digest(project / "build.toml", files)
+    integrity = file_digests(files)
     for backend in config["general"]["backends"]:
         folder = project / "build" / f"torch-{backend}"
         if folder.exists():
@@ -148,7 +150,7 @@ def build_variants(project: Path) -> Path:
         folder.mkdir(parents=True)
         for path in files:
             shutil.copy2(path, folder / path.name)
-        metadata = variant_metadata(config, backend, digest, files)
+        metadata = variant_metadata(config, backend, digest, integrity)
         (folder / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     return project
 
