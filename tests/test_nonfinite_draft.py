@@ -6,14 +6,11 @@ import logging
 
 import pytest
 import torch
-from transformers import GenerationConfig
-
 from dflash_hf.batching_dflash import speculative_accept
-from test_generate import SMALL_VOCAB
+from test_generate import FIXED, SMALL_VOCAB  # FIXED: a block every step, so every step meets the broken logits
 from tiny import random_dflash, random_dflash2, random_dspark, tiny_target
 
 MAKERS = {"dflash": random_dflash, "dspark": random_dspark, "dflash2": random_dflash2}
-FIXED = GenerationConfig(dflash_policy="fixed")  # a block drafted every step, so every step meets the broken logits
 
 
 def broken_pair(kind: str):
@@ -26,8 +23,7 @@ def broken_pair(kind: str):
 
 def prompts(batch: int):
     ids = torch.tensor([[3, 4, 5, 6], [0, 7, 8, 9]][:batch])
-    mask = (ids != 0).long() if batch > 1 else torch.ones_like(ids)
-    return {"input_ids": ids, "attention_mask": mask}
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}
 
 
 @pytest.mark.parametrize("batch", [1, 2])
